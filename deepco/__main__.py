@@ -1,0 +1,5 @@
+import sys
+
+from deepco.cli import main
+
+sys.exit(main())

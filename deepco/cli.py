@@ -1,0 +1,43 @@
+"""The `deepco` command line. Each subcommand lives in deepco/commands/<name>.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from deepco.errors import UserError
+
+# subcommand -> module under deepco.commands providing add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "plan": ("plan", "plan a frame's partition over the cluster (THREAD, THREAD-SA, MoDNN, ...)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="deepco", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        command = importlib.import_module(f"deepco.commands.{module}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        command.add_arguments(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run one subcommand; user errors print one line and exit 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"deepco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"deepco {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

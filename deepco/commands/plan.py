@@ -1,0 +1,37 @@
+"""`deepco plan`: plan one frame over the cluster with the paper's abstract workload model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from deepco.cluster import load_cluster
+from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `deepco plan`."""
+    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file")
+    p.add_argument("--algorithm", default="thread", choices=list(ALGORITHMS), help="planner (default: thread)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable table of a plan."""
+    head = (f"{'server':<12} {'antenna':<8} {'order':>5} {'ratio':>8} {'tx start':>10} {'tx time':>10} "
+            f"{'compute':>10} {'exchange':>10} {'finish':>10}")
+    lines = [f"algorithm: {plan.algorithm}   completion time: {plan.completion_time:.6g}   "
+             f"servers: {len(plan.servers)}   halo ratio per block: {plan.halo_ratio:g}", head,
+             "-" * len(head)]
+    for a in plan.servers:
+        lines.append(f"{a.name:<12} {a.antenna:<8} {a.order:>5} {a.ratio:>8.4f} {a.transfer_start:>10.4g} "
+                     f"{a.transfer_time:>10.4g} {a.compute_time:>10.4g} {a.exchange_time:>10.4g} "
+                     f"{a.finish_time:>10.4g}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the cluster, plan, print."""
+    plan = make_plan(Instance.from_cluster(load_cluster(args.cluster)), args.algorithm)
+    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
+    return 0
