@@ -64,28 +64,26 @@ def halo_ratio(prefetch_ratio: float, selected: int) -> float:
 
 def equal_finish_time(data_size: float, halo: float,
                       antennas: Sequence[tuple[float, Sequence[float]]]) -> tuple[float, list[float]]:
+    """Eq. (14) for antennas given as (bandwidth, capacities of its servers); see `equal_finish_merged`."""
+    return equal_finish_merged(data_size, halo, [(b, cumulative_capacity(b, caps), len(caps))
+                                                 for b, caps in antennas])
+
+
+def equal_finish_merged(data_size: float, halo: float,
+                        antennas: Sequence[tuple[float, float, int]]) -> tuple[float, list[float]]:
     """Eq. (14): the common completion time T and each antenna's ratio g_m.
 
-    ``antennas`` lists (bandwidth, capacities of its servers); antennas without servers get g_m = 0.
-    From T = (g_m + n_m r_o) K_m with K_m = s/b_m + s/c(G_m) and sum g_m = 1:
+    ``antennas`` lists (bandwidth b_m, merged capacity c(G_m), number of servers n_m); antennas without
+    servers get g_m = 0. From T = (g_m + n_m r_o) K_m with K_m = s/b_m + s/c(G_m) and sum g_m = 1:
     T = (1 + r_o sum n_m) / sum(1 / K_m).  A negative g_m means the association is infeasible.
     """
-    inverse = 0.0
-    blocks = 0
-    factors: list[float | None] = []
-    for bandwidth, caps in antennas:
-        if not caps:
-            factors.append(None)
-            continue
-        k = antenna_time_factor(data_size, bandwidth, cumulative_capacity(bandwidth, caps))
-        factors.append(k)
-        inverse += 1.0 / k
-        blocks += len(caps)
+    factors = [antenna_time_factor(data_size, b, c) if n else None for b, c, n in antennas]
+    inverse = math.fsum(1.0 / k for k in factors if k is not None)
+    blocks = sum(n for _, _, n in antennas)
     if blocks == 0:
         raise ValueError("no server is associated to any antenna")
     total = (1.0 + halo * blocks) / inverse
-    ratios = [0.0 if k is None else total / k - len(caps) * halo
-              for k, (_, caps) in zip(factors, antennas, strict=True)]
+    ratios = [0.0 if k is None else total / k - n * halo for k, (_, _, n) in zip(factors, antennas, strict=True)]
     return total, ratios
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from deepco.planning.law import (
     RATIO_EPS,
     capacity_from_log_growth,
+    equal_finish_merged,
     equal_finish_time,
     halo_ratio,
     transfer_schedule,
@@ -112,12 +113,12 @@ def thread(inst: Instance) -> Plan:
                   for m in range(antennas)]
         m = min(range(antennas), key=lambda a: (merged[a], a))
         growth[m] += math.log1p(inst.capacities[i] / inst.bandwidths[m])
+        merged[m] = capacity_from_log_growth(inst.bandwidths[m], growth[m])
         members[m].append(i)
         placed.append(m)
-        halo = halo_ratio(inst.prefetch_ratio, t)
-        total, ratios = equal_finish_time(
-            inst.data_size, halo, [(inst.bandwidths[a], [inst.capacities[j] for j in members[a]])
-                                   for a in range(antennas)])
+        total, ratios = equal_finish_merged(
+            inst.data_size, halo_ratio(inst.prefetch_ratio, t),
+            [(inst.bandwidths[a], merged[a], len(members[a])) for a in range(antennas)])
         if all(g >= -RATIO_EPS for g in ratios):
             candidates.append((total, t))
 
