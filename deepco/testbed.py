@@ -1,0 +1,348 @@
+"""An emulated edge network on one machine: antennas with a set bandwidth, servers with a set CPU share.
+
+Real kernel mechanisms, outside the engine:
+- every server runs in its own network namespace; each antenna is a namespace holding a bridge, joined
+  to the device's namespace by a veth pair whose both directions are shaped with `tc tbf`
+  (and an optional netem delay), so all servers on one antenna share its bandwidth, as on a radio link;
+  servers on different antennas reach each other through the device's namespace (forwarding on);
+- every server process runs in a cgroup with a CPU quota (cgroup v1 `cpu.cfs_quota_us` or v2
+  `cpu.max`), e.g. 0.45 of one core.
+
+Everything made is named with one prefix and removed on close, on SIGINT/SIGTERM, and, if the owning
+process is killed outright, by a reaper process that watches it (`python -m deepco.testbed --reap`).
+Without root or `ip`/`tc`, the testbed falls back to loopback servers with app-level pacing and
+process priorities, and says so in `label`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepco.errors import UserError
+
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
+SUBNET = "10.213"  # only inside namespaces this module creates
+_SERIAL = itertools.count()
+
+
+class TestbedError(UserError):
+    """The testbed could not be built (a kernel command failed)."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One emulated server: the antenna it hangs off and its share of one CPU core (None: unlimited)."""
+
+    name: str
+    antenna: int
+    cpu: float | None = None
+
+
+@dataclass(frozen=True)
+class TestbedSpec:
+    """The emulated network: bandwidth of each antenna (Mbit/s), its one-way delay, the servers."""
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    antenna_mbps: tuple[float, ...]
+    servers: tuple[ServerSpec, ...]
+    delay_ms: float = 0.0
+
+    def __post_init__(self):
+        if not self.antenna_mbps or any(b <= 0 for b in self.antenna_mbps):
+            raise UserError("testbed: every antenna needs a positive bandwidth")
+        for s in self.servers:
+            if not 0 <= s.antenna < len(self.antenna_mbps):
+                raise UserError(f"testbed: server {s.name} is on antenna {s.antenna}, which does not exist")
+            if s.cpu is not None and not 0 < s.cpu <= os.cpu_count():
+                raise UserError(f"testbed: server {s.name} has CPU share {s.cpu}, outside (0, {os.cpu_count()}]")
+
+
+def kernel_emulation_available() -> str | None:
+    """None if namespaces, tc and a cpu cgroup can be used here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "not root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` command"
+    if cgroup_root() is None:
+        return "no writable cpu cgroup controller"
+    return None
+
+
+def cgroup_root() -> tuple[str, Path] | None:
+    """('v1', /sys/fs/cgroup/cpu) or ('v2', /sys/fs/cgroup), whichever offers the cpu controller."""
+    if (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists() and os.access(CGROUP_V1_CPU, os.W_OK):
+        return "v1", CGROUP_V1_CPU
+    controllers = CGROUP_V2 / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split() and os.access(CGROUP_V2, os.W_OK):
+        return "v2", CGROUP_V2
+    return None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise TestbedError(f"testbed: `{' '.join(argv)}` failed: {result.stderr.strip()}")
+    return result
+
+
+def leftovers(prefix: str = "dc") -> dict[str, list[str]]:
+    """Namespaces, root-namespace links and cgroups whose names start with ``prefix`` (for checks)."""
+    found: dict[str, list[str]] = {"netns": [], "links": [], "cgroups": []}
+    if shutil.which("ip"):
+        netns = _run("ip", "netns", "list", check=False).stdout.split("\n")
+        found["netns"] = [line.split()[0] for line in netns if line.startswith(prefix)]
+        links = _run("ip", "-o", "link", "show", check=False).stdout.split("\n")
+        found["links"] = [line.split(": ")[1].split("@")[0] for line in links
+                          if line.count(": ") >= 2 and line.split(": ")[1].startswith(prefix)]
+    root = cgroup_root()
+    if root is not None:
+        found["cgroups"] = sorted(p.name for p in root[1].glob(f"{prefix}*") if p.is_dir())
+    return found
+
+
+def remove_everything(prefix: str) -> None:
+    """Kill what runs in the prefix's namespaces and cgroups, then delete namespaces, links and cgroups."""
+    mine = leftovers(prefix)
+    for ns in mine["netns"]:
+        pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    root = cgroup_root()
+    if root is not None:
+        for name in mine["cgroups"]:
+            group = root[1] / name
+            procs = group / "cgroup.procs"
+            for pid in procs.read_text().split() if procs.exists() else []:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            for _ in range(50):  # a killed process leaves its cgroup a moment later
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
+    for ns in mine["netns"]:  # deleting a namespace deletes its veths and their qdiscs
+        _run("ip", "netns", "del", ns, check=False)
+    for link in mine["links"]:
+        _run("ip", "link", "del", link, check=False)
+
+
+@dataclass
+class Testbed:
+    """Build with `with Testbed(spec) as tb:`; start processes with `tb.spawn(...)`."""
+
+    __test__ = False
+
+    spec: TestbedSpec
+    force_fallback: bool = False
+    # <= 7 characters, so that prefix + "s123" fits Linux's 15-character interface names
+    prefix: str = field(default_factory=lambda: f"dc{(os.getpid() * 8 + next(_SERIAL)) % 0xFFFFF:05x}")
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    kernel: bool = False
+    reason: str | None = None
+    _reaper: subprocess.Popen | None = None
+    _previous_handlers: dict = field(default_factory=dict)
+
+    # -- names -------------------------------------------------------------------------------------------
+    @property
+    def device_ns(self) -> str:
+        return f"{self.prefix}-dev"
+
+    def antenna_ns(self, m: int) -> str:
+        return f"{self.prefix}-a{m}"
+
+    def server_ns(self, k: int) -> str:
+        return f"{self.prefix}-s{k}"
+
+    def server_host(self, k: int) -> str:
+        """The address the device reaches server k at."""
+        if not self.kernel:
+            return "127.0.0.1"
+        return f"{SUBNET}.{self.spec.servers[k].antenna}.{10 + k}"
+
+    @property
+    def label(self) -> str:
+        """A line for every output: what is emulated, and how."""
+        bw = ", ".join(f"{b:g}" for b in self.spec.antenna_mbps)
+        cpus = ", ".join("-" if s.cpu is None else f"{s.cpu:g}" for s in self.spec.servers)
+        if self.kernel:
+            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, delay {self.spec.delay_ms:g} ms, "
+                    f"shared per antenna), server CPU shares {cpus} of a core (cgroup quota), network namespaces")
+        return (f"EMULATED edge network (fallback, {self.reason}): loopback, antennas {bw} Mbit/s by app-level "
+                f"pacing only, server CPU shares {cpus} approximated by process priority only")
+
+    # -- life cycle --------------------------------------------------------------------------------------
+    def __enter__(self) -> Testbed:
+        self.reason = "forced" if self.force_fallback else kernel_emulation_available()
+        self.kernel = self.reason is None
+        if self.kernel:
+            self._catch_signals()
+            self._start_reaper()
+            try:
+                self._build()
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every process and remove every namespace, link, qdisc and cgroup made."""
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.processes.clear()
+        if self.kernel:
+            remove_everything(self.prefix)
+            if self._reaper is not None and self._reaper.poll() is None:
+                self._reaper.kill()
+                self._reaper.wait()
+            self._restore_signals()
+
+    def _catch_signals(self) -> None:
+        def stop(signum, frame):
+            self.close()
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: the reaper still covers us
+                self._previous_handlers[sig] = signal.signal(sig, stop)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def _start_reaper(self) -> None:
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "deepco.testbed", "--reap", str(os.getpid()), self.prefix],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _build(self) -> None:
+        remove_everything(self.prefix)  # a previous owner with our pid may have been killed
+        p, spec = self.prefix, self.spec
+        ip = ("ip", "netns", "exec")
+        _run("ip", "netns", "add", self.device_ns)
+        _run(*ip, self.device_ns, "ip", "link", "set", "lo", "up")
+        _run(*ip, self.device_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for m, mbps in enumerate(spec.antenna_mbps):
+            ns = self.antenna_ns(m)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", f"{p}d{m}", "type", "veth", "peer", "name", f"{p}u{m}")
+            _run("ip", "link", "set", f"{p}d{m}", "netns", self.device_ns, "name", f"ant{m}")
+            _run("ip", "link", "set", f"{p}u{m}", "netns", ns, "name", "uplink")
+            _run(*ip, ns, "ip", "link", "add", "name", "br0", "type", "bridge")
+            _run(*ip, ns, "ip", "link", "set", "uplink", "master", "br0")
+            for dev in ("br0", "uplink", "lo"):
+                _run(*ip, ns, "ip", "link", "set", dev, "up")
+            _run(*ip, self.device_ns, "ip", "addr", "add", f"{SUBNET}.{m}.1/24", "dev", f"ant{m}")
+            _run(*ip, self.device_ns, "ip", "link", "set", f"ant{m}", "up")
+            self._shape(self.device_ns, f"ant{m}", mbps)  # downlink
+            self._shape(ns, "uplink", mbps)  # uplink
+        for k, server in enumerate(spec.servers):
+            ns, ant = self.server_ns(k), self.antenna_ns(server.antenna)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", f"{p}s{k}", "type", "veth", "peer", "name", f"{p}p{k}")
+            _run("ip", "link", "set", f"{p}s{k}", "netns", ns, "name", "eth0")
+            _run("ip", "link", "set", f"{p}p{k}", "netns", ant, "name", f"s{k}")
+            _run(*ip, ant, "ip", "link", "set", f"s{k}", "master", "br0")
+            _run(*ip, ant, "ip", "link", "set", f"s{k}", "up")
+            _run(*ip, ns, "ip", "addr", "add", f"{self.server_host(k)}/24", "dev", "eth0")
+            for dev in ("eth0", "lo"):
+                _run(*ip, ns, "ip", "link", "set", dev, "up")
+            _run(*ip, ns, "ip", "route", "add", "default", "via", f"{SUBNET}.{server.antenna}.1")
+            self._make_cgroup(k, server.cpu)
+
+    def _shape(self, ns: str, dev: str, mbps: float) -> None:
+        """Token bucket at ``mbps`` on ``dev``'s egress; with a delay, a netem child under it."""
+        # A 64 KiB bucket holds one GSO super-packet of the veth, so tbf never drops one as oversized.
+        tbf = ["tbf", "rate", f"{mbps}mbit", "burst", "64kb", "latency", "400ms"]
+        if self.spec.delay_ms <= 0:
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
+            return
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
+        result = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
+                      "handle", "10:", "netem", "delay", f"{self.spec.delay_ms}ms", check=False)
+        if result.returncode != 0:
+            raise TestbedError(f"testbed: cannot emulate a {self.spec.delay_ms:g} ms delay: this kernel has no "
+                               f"netem qdisc ({result.stderr.strip()}); run without a delay")
+
+    def _cgroup(self, k: int) -> Path:
+        root = cgroup_root()
+        assert root is not None
+        return root[1] / f"{self.prefix}-s{k}"
+
+    def _make_cgroup(self, k: int, cpu: float | None) -> None:
+        version, _ = cgroup_root() or ("", None)
+        group = self._cgroup(k)
+        group.mkdir(exist_ok=True)
+        quota = -1 if cpu is None else max(1000, round(cpu * CPU_PERIOD_US))
+        if version == "v1":
+            (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (group / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {CPU_PERIOD_US}")
+
+    # -- processes ---------------------------------------------------------------------------------------
+    def spawn(self, argv: list[str], *, server: int | None = None, **popen) -> subprocess.Popen:
+        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device namespace.
+
+        In fallback mode it runs here, niced in proportion to the server's CPU share.
+        """
+        if not self.kernel:
+            cpu = None if server is None else self.spec.servers[server].cpu
+            nice = 0 if cpu is None else max(0, min(19, round(10 * (1 - min(cpu, 1.0)))))
+            cmd = ["nice", "-n", str(nice), *argv] if nice else list(argv)
+        elif server is None:
+            cmd = ["ip", "netns", "exec", self.device_ns, *argv]
+        else:
+            # Join the cgroup before exec so that no instruction runs outside the quota.
+            procs = self._cgroup(server) / "cgroup.procs"
+            cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh",
+                   "ip", "netns", "exec", self.server_ns(server), *argv]
+        proc = subprocess.Popen(cmd, **popen)
+        self.processes.append(proc)
+        return proc
+
+
+def _reap(owner: int, prefix: str) -> None:
+    """Wait for ``owner`` to die, then remove everything named with ``prefix``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    remove_everything(prefix)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--reap":
+        _reap(int(sys.argv[2]), sys.argv[3])
+    else:
+        print("usage: python -m deepco.testbed --reap OWNER_PID PREFIX", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,139 @@
+"""The emulated edge network: shaping, sharing, CPU quotas and cleanup, measured with real processes."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from deepco.errors import UserError
+from deepco.testbed import ServerSpec, Testbed, TestbedSpec, kernel_emulation_available, leftovers
+
+needs_kernel = pytest.mark.skipif(kernel_emulation_available() is not None,
+                                  reason=f"kernel emulation unavailable: {kernel_emulation_available()}")
+
+SINK = textwrap.dedent("""
+    import socket, sys
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", 7000)); srv.listen(); print("ready", flush=True)
+    conn, _ = srv.accept(); need = int(sys.argv[1])
+    while need > 0:
+        need -= len(conn.recv(1 << 20))
+    conn.sendall(b"k"); conn.close()
+""")
+
+SEND = textwrap.dedent("""
+    import socket, sys, threading, time
+    size = int(sys.argv[1]); hosts = sys.argv[2:]
+    def send(host):
+        s = socket.create_connection((host, 7000)); s.sendall(b"x" * size); s.recv(1)
+    threads = [threading.Thread(target=send, args=(h,)) for h in hosts]
+    t0 = time.perf_counter(); [t.start() for t in threads]; [t.join() for t in threads]
+    print(time.perf_counter() - t0)
+""")
+
+
+def transfer_seconds(tb: Testbed, size: int, servers: list[int]) -> float:
+    sinks = [tb.spawn([sys.executable, "-c", SINK, str(size)], server=k, stdout=subprocess.PIPE, text=True)
+             for k in servers]
+    for sink in sinks:
+        assert sink.stdout.readline().strip() == "ready"
+    out = tb.spawn([sys.executable, "-c", SEND, str(size), *[tb.server_host(k) for k in servers]],
+                   stdout=subprocess.PIPE, text=True)
+    seconds = float(out.communicate(timeout=60)[0])
+    for sink in sinks:
+        sink.wait(timeout=10)
+    return seconds
+
+
+@needs_kernel
+def test_antenna_bandwidth_is_enforced_and_shared_by_its_servers():
+    spec = TestbedSpec(antenna_mbps=(40.0, 40.0),
+                       servers=(ServerSpec("s0", 0), ServerSpec("s1", 0), ServerSpec("s2", 1)))
+    size = 2_000_000  # 16 Mbit: 0.4 s at 40 Mbit/s
+    with Testbed(spec) as tb:
+        assert tb.kernel and "EMULATED" in tb.label
+        alone = transfer_seconds(tb, size, [0])
+        same_antenna = transfer_seconds(tb, size, [0, 1])
+        two_antennas = transfer_seconds(tb, size, [0, 2])
+    assert 0.32 < alone < 0.6
+    assert 1.6 < same_antenna / alone < 2.4  # one radio link shared
+    assert 0.7 < two_antennas / alone < 1.35  # antennas in parallel
+
+
+BUSY = "import os, time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nc = os.times()\nprint(c.user + c.system)"
+
+
+@needs_kernel
+def test_cpu_quota_limits_a_server_to_its_share_of_a_core():
+    spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("slow", 0, cpu=0.25), ServerSpec("fast", 0)))
+    with Testbed(spec) as tb:
+        slow = tb.spawn([sys.executable, "-c", BUSY], server=0, stdout=subprocess.PIPE, text=True)
+        cpu_slow = float(slow.communicate(timeout=30)[0])
+        fast = tb.spawn([sys.executable, "-c", BUSY], server=1, stdout=subprocess.PIPE, text=True)
+        cpu_fast = float(fast.communicate(timeout=30)[0])
+    assert 0.25 < cpu_slow / 1.5 < 0.4  # python start-up runs under the quota too
+    assert cpu_fast / 1.5 > 0.8
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from deepco.testbed import ServerSpec, Testbed, TestbedSpec
+    tb = Testbed(TestbedSpec(antenna_mbps=(10.0, 20.0), servers=(ServerSpec("a", 0, cpu=0.5), ServerSpec("b", 1))))
+    tb.__enter__()
+    tb.spawn([sys.executable, "-c", "import time; time.sleep(60)"], server=0)
+    print(tb.prefix, flush=True)
+    time.sleep(60)
+""")
+
+
+def nothing_left(prefix: str, within: float) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        left = leftovers(prefix)
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_nothing_is_left_behind_when_the_owner_is_stopped_or_killed(sig):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    prefix = owner.stdout.readline().strip()
+    assert prefix.startswith("dc")
+    made = leftovers(prefix)
+    assert len(made["netns"]) == 5 and len(made["cgroups"]) == 2  # device, 2 antennas, 2 servers
+    os.kill(owner.pid, sig)
+    owner.wait(timeout=20)
+    assert nothing_left(prefix, within=10) == {"netns": [], "links": [], "cgroups": []}
+
+
+@needs_kernel
+def test_nothing_is_left_behind_after_a_normal_run():
+    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", 0, cpu=0.3),))
+    with Testbed(spec) as tb:
+        tb.spawn([sys.executable, "-c", "import time; time.sleep(30)"], server=0)
+        prefix = tb.prefix
+        assert any(leftovers(prefix).values())
+    assert leftovers(prefix) == {"netns": [], "links": [], "cgroups": []}
+
+
+def test_fallback_says_so_and_runs_on_loopback():
+    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", 0, cpu=0.3),))
+    with Testbed(spec, force_fallback=True) as tb:
+        assert not tb.kernel and "fallback" in tb.label and "app-level pacing" in tb.label
+        assert tb.server_host(0) == "127.0.0.1"
+        out = tb.spawn([sys.executable, "-c", "import os; print(os.nice(0))"], server=0,
+                       stdout=subprocess.PIPE, text=True)
+        assert int(out.communicate(timeout=20)[0]) > 0  # a weaker server runs at a lower priority
+
+
+def test_bad_specs_are_refused_with_a_clear_message():
+    with pytest.raises(UserError, match="antenna 3, which does not exist"):
+        TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", 3),))
+    with pytest.raises(UserError, match="positive bandwidth"):
+        TestbedSpec(antenna_mbps=(0.0,), servers=())
