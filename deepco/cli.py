@@ -11,6 +11,7 @@ from deepco.errors import UserError
 # subcommand -> module under deepco.commands providing add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "plan": ("plan", "plan a frame's partition over the cluster (THREAD, THREAD-SA, MoDNN, ...)"),
+    "serve": ("serve", "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
 }
 
 

@@ -76,7 +76,7 @@ def test_cpu_quota_limits_a_server_to_its_share_of_a_core():
         fast = tb.spawn([sys.executable, "-c", BUSY], server=1, stdout=subprocess.PIPE, text=True)
         cpu_fast = float(fast.communicate(timeout=30)[0])
     assert 0.25 < cpu_slow / 1.5 < 0.4  # python start-up runs under the quota too
-    assert cpu_fast / 1.5 > 0.8
+    assert cpu_fast / 1.5 > 0.6  # unlimited: most of a core even on a busy machine
 
 
 OWNER = textwrap.dedent("""

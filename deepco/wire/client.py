@@ -1,0 +1,149 @@
+"""A small blocking client for `deepco serve` (or any Open Inference Protocol gRPC server).
+
+Used by the tests and by the device. Every failure the server reports becomes a :class:`ServerError`
+(a UserError: one line, naming the server, the gRPC status and the server's message).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from deepco.errors import UserError
+from deepco.wire import GRPC_MESSAGE_OPTIONS
+from deepco.wire import deepco_service_pb2 as dpb
+from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
+from deepco.wire import inference_pb2 as pb
+from deepco.wire import inference_pb2_grpc as pb_grpc
+from deepco.wire.tensors import decode_outputs, encode_request
+
+
+class ServerError(UserError):
+    """A server answered with an error status (or could not be reached)."""
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"server {address}: {code.name}: {details}")
+        self.address, self.code, self.details = address, code, details
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """What DeepcoService.Profile measured: median seconds per run, every run, and the provider used."""
+
+    seconds: float
+    run_seconds: tuple[float, ...]
+    execution_provider: str
+
+
+class InferenceClient:
+    """One channel to one server; thread-safe, as gRPC channels are. Use as a context manager or close()."""
+
+    def __init__(self, address: str, timeout: float | None = 60.0):
+        self.address, self.timeout = address, timeout
+        self.channel = grpc.insecure_channel(address, options=list(GRPC_MESSAGE_OPTIONS))
+        self.inference = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.deepco = dpb_grpc.DeepcoServiceStub(self.channel)
+        self._input_names: dict[str, str] = {}
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise ServerError(self.address, exc.code(), exc.details() or "") from None
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the server answers ServerReady=true, or raise ServerError after ``timeout`` s."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise ServerError(self.address, grpc.StatusCode.UNAVAILABLE,
+                              f"not reachable within {timeout:g}s") from None
+        if not self.server_ready():
+            raise ServerError(self.address, grpc.StatusCode.UNAVAILABLE, "server is not ready")
+
+    def server_live(self) -> bool:
+        """ServerLive."""
+        return self._call(self.inference.ServerLive, pb.ServerLiveRequest()).live
+
+    def server_ready(self) -> bool:
+        """ServerReady."""
+        return self._call(self.inference.ServerReady, pb.ServerReadyRequest()).ready
+
+    def server_metadata(self) -> dict[str, Any]:
+        """ServerMetadata as a dict: name, version, extensions, and the ``key=value`` extensions parsed
+        (`deepco serve` reports e.g. deepco_device=cpu, deepco_execution_provider=CPUExecutionProvider)."""
+        meta = self._call(self.inference.ServerMetadata, pb.ServerMetadataRequest())
+        result: dict[str, Any] = {"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
+        for ext in meta.extensions:
+            key, sep, value = ext.partition("=")
+            if sep:
+                result[key] = value
+        return result
+
+    def load_model(self, model_bytes: bytes, name: str, version: str = "1",
+                   config: Mapping[str, Any] | None = None) -> None:
+        """Load (or replace) a model from its ONNX bytes, as Triton's RepositoryModelLoad with a
+        ``file:<version>/model.onnx`` parameter."""
+        request = pb.RepositoryModelLoadRequest(model_name=name)
+        request.parameters["config"].string_param = json.dumps(
+            dict(config) if config is not None else {"name": name, "backend": "onnxruntime"})
+        request.parameters[f"file:{version}/model.onnx"].bytes_param = model_bytes
+        self._call(self.inference.RepositoryModelLoad, request)
+        self._input_names.pop(name, None)
+
+    def unload_model(self, name: str) -> None:
+        """Unload a model."""
+        self._call(self.inference.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name=name))
+        self._input_names.pop(name, None)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """ModelReady."""
+        return self._call(self.inference.ModelReady, pb.ModelReadyRequest(name=name, version=version)).ready
+
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        """ModelMetadata (inputs and outputs with data types and shapes; -1 for any size)."""
+        return self._call(self.inference.ModelMetadata, pb.ModelMetadataRequest(name=name))
+
+    def loaded_models(self) -> list[str]:
+        """Names of the models the server has loaded (RepositoryIndex)."""
+        index = self._call(self.inference.RepositoryIndex, pb.RepositoryIndexRequest())
+        return [m.name for m in index.models]
+
+    def infer_many(self, name: str, inputs: Mapping[str, np.ndarray],
+                   outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """Run model ``name`` on named inputs; returns the requested (default: all) outputs by name."""
+        response = self._call(self.inference.ModelInfer, encode_request(name, inputs, outputs))
+        return decode_outputs(response)
+
+    def infer(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Run a one-input model on ``array`` and return its first output."""
+        input_name = self._input_names.get(name)
+        if input_name is None:
+            meta = self.model_metadata(name)
+            if len(meta.inputs) != 1:
+                raise UserError(f"model {name!r} has {len(meta.inputs)} inputs; use infer_many")
+            input_name = self._input_names[name] = meta.inputs[0].name
+        response = self._call(self.inference.ModelInfer, encode_request(name, {input_name: array}))
+        outputs = decode_outputs(response)
+        return outputs[response.outputs[0].name]
+
+    def profile(self, name: str, shape: Sequence[int], runs: int = 10, warmup: int = 1) -> ProfileResult:
+        """Time model ``name`` on the server on an input of ``shape`` (compute only, no transfer)."""
+        reply = self._call(self.deepco.Profile,
+                           dpb.ProfileRequest(model_name=name, shape=list(shape), runs=runs, warmup=warmup))
+        return ProfileResult(reply.seconds, tuple(reply.run_seconds), reply.execution_provider)

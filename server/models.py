@@ -1,0 +1,295 @@
+"""Loaded models: ONNX Runtime sessions, their tensor signatures, and request validation.
+
+Every problem a client can cause raises :class:`RequestError` carrying the gRPC status code to answer
+with; the servicers translate it, so nothing here knows about gRPC contexts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from deepco.errors import UserError
+from deepco.wire.tensors import DATATYPES, ORT_TYPES, numpy_dtype
+
+log = logging.getLogger("deepco.serve")
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+DEVICES = ("auto", "cpu", "cuda")
+PLATFORM = "onnxruntime_onnx"  # Triton's platform name for ONNX Runtime models
+PROFILE_MAX_BYTES = 256 * 1024 * 1024  # Profile inputs are made on the server: bound their size as a message's
+
+
+class RequestError(Exception):
+    """A request the server refuses, with the gRPC status to answer and a message naming the problem."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def invalid(message: str) -> RequestError:
+    """An INVALID_ARGUMENT refusal."""
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How sessions are made: execution providers (in preference order) and ORT thread count."""
+
+    providers: tuple[str, ...]
+    threads: int  # ORT intra-op threads; 0 lets ORT choose
+    device: str  # "cpu" or "cuda": what the probe session really got
+
+    @property
+    def provider(self) -> str:
+        """The execution provider models run on first."""
+        return self.providers[0]
+
+    def session_options(self) -> ort.SessionOptions:
+        """Options for every session of this server."""
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.threads
+        # One request runs one graph; parallelism across requests comes from gRPC worker threads.
+        opts.inter_op_num_threads = 1
+        # Fatal only: ORT logs every failed run as an error line on stderr, but a failed run is the client's
+        # input (answered INVALID_ARGUMENT with ORT's message), not a server problem.
+        opts.log_severity_level = 4
+        return opts
+
+    def session(self, model_bytes: bytes) -> ort.InferenceSession:
+        """An ORT session for a serialized ONNX model (raises whatever ORT raises on a bad model)."""
+        return ort.InferenceSession(model_bytes, sess_options=self.session_options(),
+                                    providers=list(self.providers))
+
+
+def _probe_model() -> bytes:
+    """A one-node model, enough to ask ORT which providers a session really gets."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8  # old enough for every ORT we support
+    return model.SerializeToString()
+
+
+def choose_runtime(device: str = "auto", threads: int = 0) -> Runtime:
+    """Pick the execution providers for ``--device`` and check them with a real session.
+
+    onnxruntime-gpu lists CUDAExecutionProvider even on a machine without a GPU (sessions then fall back
+    to CPU silently), so the choice is confirmed by creating a probe session and reading the providers
+    it actually got.
+    """
+    if device not in DEVICES:
+        raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if threads < 0:
+        raise UserError(f"--threads must be >= 0, got {threads}")
+    available = ort.get_available_providers()
+    if device == "cuda" and CUDA not in available:
+        raise UserError("--device cuda: this onnxruntime has no CUDAExecutionProvider "
+                        f"(available: {', '.join(available)}); install onnxruntime-gpu")
+    if device in ("auto", "cuda") and CUDA in available:
+        wanted: tuple[str, ...] = (CUDA, CPU)
+        got = Runtime(wanted, threads, "cuda").session(_probe_model()).get_providers()
+        if CUDA in got:
+            return Runtime(wanted, threads, "cuda")
+        if device == "cuda":
+            raise UserError("--device cuda: onnxruntime could not create a CUDA session (no usable GPU?)")
+    return Runtime((CPU,), threads, "cpu")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model, in protocol terms; -1 marks a dimension of any size."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+def _spec(arg: ort.NodeArg, model: str) -> TensorSpec:
+    datatype = ORT_TYPES.get(arg.type)
+    if datatype is None:
+        raise invalid(f"model {model!r}: tensor {arg.name!r} has type {arg.type}, which this server "
+                      "cannot exchange")
+    # ORT reports symbolic dimensions as strings ("H") or None; both mean "any size" here.
+    shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in arg.shape)
+    return TensorSpec(arg.name, datatype, shape)
+
+
+class LoadedModel:
+    """A model ready to run: its ORT session and signature."""
+
+    def __init__(self, name: str, version: str, session: ort.InferenceSession, size: int):
+        self.name, self.version, self.session, self.size = name, version, session, size
+        self.inputs = [_spec(a, name) for a in session.get_inputs()]
+        self.outputs = [_spec(a, name) for a in session.get_outputs()]
+        self.providers = tuple(session.get_providers())
+
+    def check_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Refuse inputs whose names, data types, ranks or fixed dimensions do not fit the model."""
+        expected = {s.name: s for s in self.inputs}
+        for name in arrays:
+            if name not in expected:
+                raise invalid(f"model {self.name!r} has no input {name!r} (inputs: {', '.join(expected)})")
+        for spec in self.inputs:
+            if spec.name not in arrays:
+                raise invalid(f"model {self.name!r}: input {spec.name!r} is missing")
+            array = arrays[spec.name]
+            want = DATATYPES[spec.datatype]
+            if array.dtype != want:
+                got = next((k for k, v in DATATYPES.items() if v == array.dtype), str(array.dtype))
+                raise invalid(f"model {self.name!r}: input {spec.name!r} has datatype {got}, "
+                              f"expected {spec.datatype}")
+            if len(array.shape) != len(spec.shape) or any(
+                    w != -1 and w != g for w, g in zip(spec.shape, array.shape, strict=True)):
+                raise invalid(f"model {self.name!r}: input {spec.name!r} has shape {list(array.shape)}, "
+                              f"expected {list(spec.shape)} (-1: any size)")
+
+    def output_names(self, requested: list[str]) -> list[str]:
+        """The outputs to compute: the requested ones (checked), or all of them."""
+        known = [s.name for s in self.outputs]
+        for name in requested:
+            if name not in known:
+                raise invalid(f"model {self.name!r} has no output {name!r} (outputs: {', '.join(known)})")
+        return requested or known
+
+    def run(self, arrays: Mapping[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        """Run the model; an input ORT rejects (e.g. smaller than a kernel) is INVALID_ARGUMENT."""
+        try:
+            results = self.session.run(outputs, dict(arrays))
+        except Exception as exc:  # ORT raises its own exception types; every one is about this input
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise invalid(f"model {self.name!r} cannot run on this input: {first}") from None
+        return dict(zip(outputs, results, strict=True))
+
+    def profile(self, shape: list[int], runs: int, warmup: int) -> list[float]:
+        """Seconds of each of ``runs`` timed runs on a server-made input of ``shape`` (after ``warmup``)."""
+        if len(self.inputs) != 1:
+            raise invalid(f"model {self.name!r} has {len(self.inputs)} inputs; Profile needs exactly one")
+        spec = self.inputs[0]
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise invalid(f"Profile: shape {list(dims)} has a negative dimension")
+        dtype = numpy_dtype(spec.datatype)
+        nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+        if nbytes > PROFILE_MAX_BYTES:
+            raise invalid(f"Profile: shape {list(dims)} is {nbytes} bytes, over the {PROFILE_MAX_BYTES} limit")
+        rng = np.random.default_rng(0)
+        array = (rng.standard_normal(dims).astype(dtype) if dtype.kind == "f" else np.zeros(dims, dtype))
+        feeds = {spec.name: array}
+        self.check_inputs(feeds)
+        outputs = [s.name for s in self.outputs]
+        for _ in range(warmup):
+            self.run(feeds, outputs)
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            self.run(feeds, outputs)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+
+def model_from_load_request(parameters: Mapping[str, object]) -> tuple[bytes, str]:
+    """(ONNX bytes, version) from RepositoryModelLoad parameters, as tritonclient's load_model sends them.
+
+    Triton's convention: "config" holds the model configuration as JSON, and each "file:<path>" parameter
+    holds one file of the model directory, e.g. "file:1/model.onnx" for version 1. This server keeps no
+    repository on disk, so the ONNX file must come in the request.
+    """
+    config = parameters.get("config")
+    if config is not None:
+        if config.WhichOneof("parameter_choice") != "string_param":
+            raise invalid("parameter 'config' must be a string (the model configuration as JSON)")
+        try:
+            parsed = json.loads(config.string_param)
+        except json.JSONDecodeError as exc:
+            raise invalid(f"parameter 'config' is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise invalid("parameter 'config' must be a JSON object")
+    files = {k[len("file:"):]: v for k, v in parameters.items() if k.startswith("file:")}
+    if not files:
+        raise invalid("no model file: send the ONNX bytes in a 'file:1/model.onnx' parameter "
+                      "(this server has no model repository on disk)")
+    if len(files) > 1:
+        raise invalid(f"{len(files)} file: parameters ({', '.join(sorted(files))}); this server takes exactly "
+                      "one, '<version>/model.onnx' (no external data files)")
+    path, value = next(iter(files.items()))
+    if value.WhichOneof("parameter_choice") != "bytes_param":
+        raise invalid(f"parameter 'file:{path}' must hold bytes (the ONNX file)")
+    version, sep, filename = path.partition("/")
+    if not sep or not version.isdigit() or not filename.endswith(".onnx") or "/" in filename:
+        raise invalid(f"parameter 'file:{path}': expected 'file:<version>/<name>.onnx', e.g. 'file:1/model.onnx'")
+    return value.bytes_param, str(int(version))
+
+
+class Registry:
+    """The loaded models, at most ``max_models`` of them; safe to use from many gRPC threads."""
+
+    def __init__(self, runtime: Runtime, max_models: int):
+        self.runtime, self.max_models = runtime, max_models
+        self._models: dict[str, LoadedModel] = {}
+        self._lock = threading.Lock()
+
+    def _check_room(self, name: str) -> None:
+        if name not in self._models and len(self._models) >= self.max_models:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"cannot load model {name!r}: {len(self._models)} models are loaded, the limit "
+                               f"(--max-models) is {self.max_models}; unload one first")
+
+    def load(self, name: str, version: str, model_bytes: bytes) -> LoadedModel:
+        """Build a session and (re)place model ``name``; a bad ONNX file is INVALID_ARGUMENT."""
+        if not name:
+            raise invalid("model_name is empty")
+        with self._lock:
+            self._check_room(name)  # fail early, before the (possibly slow) session build
+        try:
+            # ORT is the judge of what it can run: garbage bytes, a truncated file, an unknown operator or
+            # an invalid graph all fail here, with ORT's own one-line reason.
+            session = self.runtime.session(model_bytes)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise invalid(f"model {name!r} is not a valid ONNX model (ONNX Runtime: {first})") from None
+        model = LoadedModel(name, version, session, len(model_bytes))
+        with self._lock:
+            self._check_room(name)  # again: another load may have filled the last place meanwhile
+            self._models[name] = model
+        log.info("loaded model %r version %s (%d bytes) on %s", name, version, len(model_bytes),
+                 model.providers[0])
+        return model
+
+    def unload(self, name: str) -> None:
+        """Forget model ``name``; requests already running on it finish normally."""
+        with self._lock:
+            if self._models.pop(name, None) is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded")
+        log.info("unloaded model %r", name)
+
+    def get(self, name: str, version: str = "") -> LoadedModel:
+        """Model ``name`` (of ``version``, if given) or NOT_FOUND."""
+        with self._lock:
+            model = self._models.get(name)
+            loaded = sorted(self._models)
+        if model is None:
+            listing = ", ".join(repr(n) for n in loaded) or "none"
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded (loaded: {listing})")
+        if version and version != model.version:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"model {name!r} has no version {version!r} (loaded: {model.version})")
+        return model
+
+    def all(self) -> list[LoadedModel]:
+        """Every loaded model, by name."""
+        with self._lock:
+            return [self._models[n] for n in sorted(self._models)]

@@ -1,0 +1,180 @@
+"""The gRPC servicers: the Open Inference Protocol (inference.GRPCInferenceService) and DeepcoService."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+import deepco
+from deepco.wire import deepco_service_pb2 as dpb
+from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
+from deepco.wire import inference_pb2 as pb
+from deepco.wire import inference_pb2_grpc as pb_grpc
+from deepco.wire.tensors import TensorError, add_output, decode_inputs
+from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
+
+log = logging.getLogger("deepco.serve")
+
+PROFILE_DEFAULT_RUNS = 10
+PROFILE_MAX_RUNS = 1000
+PROFILE_MAX_WARMUP = 100
+
+R = TypeVar("R")
+
+
+class Admission:
+    """At most ``limit`` compute requests (ModelInfer, Profile) at once; the excess is refused at once.
+
+    Refusing (RESOURCE_EXHAUSTED) rather than queueing keeps latency bounded and tells the device to try
+    another server, which is what a partitioned frame with a deadline wants.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def __enter__(self) -> Admission:
+        if not self._slots.acquire(blocking=False):
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {self.limit} inference requests already in flight "
+                               "(--max-inflight); retry later or elsewhere")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._slots.release()
+
+
+def _statuses(method: Callable[..., R]) -> Callable[..., R]:
+    """Answer a RequestError/TensorError with its status code, and any other failure with INTERNAL."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return method(self, request, context)
+        except RequestError as exc:
+            context.abort(exc.code, str(exc))
+        except TensorError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a bug of ours: log it with its traceback, tell the client in one line
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+class ServerState:
+    """What the servicers share: the models, the admission limit, and whether we are draining."""
+
+    def __init__(self, registry: Registry, admission: Admission):
+        self.registry, self.admission = registry, admission
+        self.draining = threading.Event()
+
+    def extensions(self) -> list[str]:
+        """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
+        runtime = self.registry.runtime
+        return ["model_repository", "deepco_profile", f"deepco_device={runtime.device}",
+                f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
+                f"deepco_max_models={self.registry.max_models}", f"deepco_max_inflight={self.admission.limit}"]
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """inference.GRPCInferenceService on top of the model registry."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    @_statuses
+    def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.ServicerContext) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @_statuses
+    def ServerReady(self, request: pb.ServerReadyRequest,
+                    context: grpc.ServicerContext) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=not self.state.draining.is_set())
+
+    @_statuses
+    def ServerMetadata(self, request: pb.ServerMetadataRequest,
+                       context: grpc.ServicerContext) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="deepco", version=deepco.__version__,
+                                         extensions=self.state.extensions())
+
+    @_statuses
+    def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.ServicerContext) -> pb.ModelReadyResponse:
+        # The protocol answers "not ready" for a model it does not have, rather than an error.
+        try:
+            self.state.registry.get(request.name, request.version)
+        except RequestError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=not self.state.draining.is_set())
+
+    @_statuses
+    def ModelMetadata(self, request: pb.ModelMetadataRequest,
+                      context: grpc.ServicerContext) -> pb.ModelMetadataResponse:
+        model = self.state.registry.get(request.name, request.version)
+        meta = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=model.name, versions=[model.version], platform=PLATFORM,
+            inputs=[meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in model.inputs],
+            outputs=[meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in model.outputs])
+
+    @_statuses
+    def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
+        model = self.state.registry.get(request.model_name, request.model_version)
+        arrays = decode_inputs(request)
+        model.check_inputs(arrays)
+        outputs = model.output_names([o.name for o in request.outputs])
+        with self.state.admission:
+            results = model.run(arrays, outputs)
+        response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+        for name in outputs:
+            add_output(response, name, results[name])
+        return response
+
+    @_statuses
+    def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
+                        context: grpc.ServicerContext) -> pb.RepositoryIndexResponse:
+        index = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(
+            models=[index(name=m.name, version=m.version, state="READY") for m in self.state.registry.all()])
+
+    @_statuses
+    def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                            context: grpc.ServicerContext) -> pb.RepositoryModelLoadResponse:
+        if self.state.draining.is_set():
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        model_bytes, version = model_from_load_request(request.parameters)
+        self.state.registry.load(request.model_name, version, model_bytes)
+        return pb.RepositoryModelLoadResponse()
+
+    @_statuses
+    def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                              context: grpc.ServicerContext) -> pb.RepositoryModelUnloadResponse:
+        self.state.registry.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
+    """deepco.DeepcoService: what the engine needs beyond the standard protocol."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    @_statuses
+    def Profile(self, request: dpb.ProfileRequest, context: grpc.ServicerContext) -> dpb.ProfileResponse:
+        model = self.state.registry.get(request.model_name)
+        runs = request.runs or PROFILE_DEFAULT_RUNS
+        if runs > PROFILE_MAX_RUNS:
+            raise invalid(f"Profile: runs must be <= {PROFILE_MAX_RUNS}, got {runs}")
+        if request.warmup > PROFILE_MAX_WARMUP:
+            raise invalid(f"Profile: warmup must be <= {PROFILE_MAX_WARMUP}, got {request.warmup}")
+        with self.state.admission:
+            times = model.profile(list(request.shape), runs, request.warmup)
+        return dpb.ProfileResponse(seconds=statistics.median(times), run_seconds=times,
+                                   execution_provider=model.providers[0])

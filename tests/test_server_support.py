@@ -1,0 +1,115 @@
+"""Shared helpers for the wire/server tests: small ONNX conv nets and a `deepco serve` subprocess.
+
+It holds no tests itself (pytest imports it like any test module and finds none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def conv_model(channels: tuple[int, ...] = (3, 8, 8, 4), seed: int = 0, strides: tuple[int, ...] = (),
+               pad: int = 1) -> bytes:
+    """A small conv net (3x3 convs, ReLU between) with dynamic batch, height and width."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    prev = "input"
+    for i, (cin, cout) in enumerate(zip(channels, channels[1:], strict=False)):
+        w = numpy_helper.from_array((rng.standard_normal((cout, cin, 3, 3)) * 0.3).astype(np.float32), f"w{i}")
+        b = numpy_helper.from_array(rng.standard_normal(cout).astype(np.float32) * 0.1, f"b{i}")
+        inits += [w, b]
+        stride = strides[i] if i < len(strides) else 1
+        nodes.append(helper.make_node("Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[3, 3],
+                                      pads=[pad] * 4, strides=[stride, stride]))
+        last = i == len(channels) - 2
+        out = "output" if last else f"r{i}"
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"c{i}"], [out]))
+        else:
+            nodes[-1].output[0] = "output"
+        prev = out
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", channels[0], "H", "W"])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", channels[-1], "OH", "OW"])
+    graph = helper.make_graph(nodes, "convnet", [x], [y], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+# A model and input that keep one ORT thread busy for about a second (0.8-1.5 s on the CI machine): long
+# enough for a test to act while the request is surely in flight.
+HEAVY_CHANNELS = (3, 64, 64, 64, 64, 64, 4)
+HEAVY_SHAPE = (1, 3, 768, 768)
+
+
+def heavy_model() -> bytes:
+    """The slow model of HEAVY_CHANNELS."""
+    return conv_model(channels=HEAVY_CHANNELS)
+
+
+def reference(model_bytes: bytes, array: np.ndarray) -> np.ndarray:
+    """The model's output computed locally with ONNX Runtime (CPU)."""
+    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: array})[0]
+
+
+@dataclass
+class ServeProcess:
+    """A running `python -m deepco serve` subprocess and what it printed."""
+
+    proc: subprocess.Popen
+    address: str
+    stderr_lines: list[str] = field(default_factory=list)
+
+    def sigterm(self, timeout: float = 30.0) -> int:
+        """Send SIGTERM and wait for the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def _pump(stream, sink: queue.Queue | list) -> None:
+    for line in stream:
+        if isinstance(sink, list):
+            sink.append(line)
+        else:
+            sink.put(line)
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, startup_timeout: float = 30.0) -> Iterator[ServeProcess]:
+    """Start `python -m deepco serve --port 0 ARGS` and yield it once it prints its address."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    stderr_lines: list[str] = []
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+    threading.Thread(target=_pump, args=(proc.stderr, stderr_lines), daemon=True).start()
+    try:
+        try:
+            line = lines.get(timeout=startup_timeout)
+        except queue.Empty:
+            raise AssertionError(f"deepco serve did not start; stderr: {''.join(stderr_lines)}") from None
+        match = re.fullmatch(r"deepco serve: listening on (\S+)\n", line)
+        assert match, f"unexpected first line {line!r}; stderr: {''.join(stderr_lines)}"
+        yield ServeProcess(proc, match.group(1), stderr_lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
