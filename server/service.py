@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import statistics
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -24,6 +26,9 @@ log = logging.getLogger("deepco.serve")
 PROFILE_DEFAULT_RUNS = 10
 PROFILE_MAX_RUNS = 1000
 PROFILE_MAX_WARMUP = 100
+ECHO_MAX_REPLY = 64 << 20
+# A slice queued behind the previous frame's slice (pipelining) waits this long for a compute slot.
+RUN_QUEUE_SECONDS = 30.0
 
 R = TypeVar("R")
 
@@ -49,21 +54,39 @@ class Admission:
     def __exit__(self, *exc: object) -> None:
         self._slots.release()
 
+    @contextlib.contextmanager
+    def waiting(self, timeout: float) -> Iterator[None]:
+        """Like ``with admission:``, but wait up to ``timeout`` seconds for a slot (a pipelined slice)."""
+        if not self._slots.acquire(timeout=timeout):
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: no compute slot free within {timeout:g}s (--max-inflight {self.limit})")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+@contextlib.contextmanager
+def _answering(name: str, context: grpc.ServicerContext) -> Iterator[None]:
+    """Answer a RequestError/TensorError with its status code, and any other failure with INTERNAL."""
+    try:
+        yield
+    except RequestError as exc:
+        context.abort(exc.code, str(exc))
+    except TensorError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except Exception as exc:  # a bug of ours: log it with its traceback, tell the client in one line
+        log.exception("%s failed", name)
+        context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+
 
 def _statuses(method: Callable[..., R]) -> Callable[..., R]:
-    """Answer a RequestError/TensorError with its status code, and any other failure with INTERNAL."""
+    """A unary method whose failures become the right gRPC status (see `_answering`)."""
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
-        try:
+        with _answering(method.__name__, context):
             return method(self, request, context)
-        except RequestError as exc:
-            context.abort(exc.code, str(exc))
-        except TensorError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:  # a bug of ours: log it with its traceback, tell the client in one line
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
@@ -178,3 +201,28 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
             times = model.profile(list(request.shape), runs, request.warmup)
         return dpb.ProfileResponse(seconds=statistics.median(times), run_seconds=times,
                                    execution_provider=model.providers[0])
+
+    def Run(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
+        with _answering("Run", context):
+            model = self.state.registry.get(request.model_name, request.model_version)
+            arrays = decode_inputs(request)
+            model.check_inputs(arrays)
+            outputs = model.output_names([o.name for o in request.outputs])
+        yield dpb.RunEvent(received=dpb.RunReceived())
+        with _answering("Run", context):
+            queued = time.perf_counter()
+            with self.state.admission.waiting(RUN_QUEUE_SECONDS):
+                start = time.perf_counter()
+                results = model.run(arrays, outputs)
+                done = time.perf_counter()
+            response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+            for name in outputs:
+                add_output(response, name, results[name])
+        yield dpb.RunEvent(result=dpb.RunResult(response=response, compute_seconds=done - start,
+                                                queue_seconds=start - queued))
+
+    @_statuses
+    def Echo(self, request: dpb.EchoRequest, context: grpc.ServicerContext) -> dpb.EchoResponse:
+        if request.reply_bytes > ECHO_MAX_REPLY:
+            raise invalid(f"Echo: reply_bytes must be <= {ECHO_MAX_REPLY}, got {request.reply_bytes}")
+        return dpb.EchoResponse(payload=bytes(request.reply_bytes))

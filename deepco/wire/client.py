@@ -7,6 +7,7 @@ Used by the tests and by the device. Every failure the server reports becomes a 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,25 @@ class ProfileResult:
     seconds: float
     run_seconds: tuple[float, ...]
     execution_provider: str
+
+
+@dataclass
+class RunHandle:
+    """A slice the server has fully received; `result()` waits for its output."""
+
+    client: InferenceClient
+    events: Any  # the rest of the Run response stream
+
+    def result(self) -> tuple[dict[str, np.ndarray], float, float]:
+        """(outputs by name, the server's compute seconds, seconds it queued for a compute slot)."""
+        try:
+            event = next(self.events)
+        except grpc.RpcError as exc:
+            raise ServerError(self.client.address, exc.code(), exc.details() or "") from None
+        except StopIteration:
+            raise ServerError(self.client.address, grpc.StatusCode.INTERNAL, "Run ended without a result") from None
+        result = event.result
+        return decode_outputs(result.response), result.compute_seconds, result.queue_seconds
 
 
 class InferenceClient:
@@ -141,6 +161,26 @@ class InferenceClient:
         response = self._call(self.inference.ModelInfer, encode_request(name, {input_name: array}))
         outputs = decode_outputs(response)
         return outputs[response.outputs[0].name]
+
+    def start_run(self, name: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> RunHandle:
+        """Send one slice with DeepcoService.Run; return once the server has received all of it."""
+        events = self.deepco.Run(encode_request(name, inputs), timeout=self.timeout if timeout is None else timeout)
+        try:
+            first = next(events)
+        except grpc.RpcError as exc:
+            raise ServerError(self.address, exc.code(), exc.details() or "") from None
+        except StopIteration:
+            raise ServerError(self.address, grpc.StatusCode.INTERNAL, "Run ended before the data arrived") from None
+        if first.WhichOneof("event") != "received":
+            raise ServerError(self.address, grpc.StatusCode.INTERNAL, "Run answered out of order")
+        return RunHandle(self, events)
+
+    def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:
+        """Seconds for ``payload_bytes`` to reach the server and ``reply_bytes`` to come back."""
+        request = dpb.EchoRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes)
+        start = time.perf_counter()
+        self._call(self.deepco.Echo, request)
+        return time.perf_counter() - start
 
     def profile(self, name: str, shape: Sequence[int], runs: int = 10, warmup: int = 1) -> ProfileResult:
         """Time model ``name`` on the server on an input of ``shape`` (compute only, no transfer)."""

@@ -23,19 +23,30 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from deepco.wire import inference_pb2 as inference__pb2
 
 
-DESCRIPTOR = _deepco_pool.POOL.AddSerializedFile(b'\n\x14\x64\x65\x65pco_service.proto\x12\x06\x64\x65\x65pco\"Q\n\x0eProfileRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04runs\x18\x03 \x01(\r\x12\x0e\n\x06warmup\x18\x04 \x01(\r\"S\n\x0fProfileResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x13\n\x0brun_seconds\x18\x02 \x03(\x01\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t2M\n\rDeepcoService\x12<\n\x07Profile\x12\x16.deepco.ProfileRequest\x1a\x17.deepco.ProfileResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _deepco_pool.POOL.AddSerializedFile(b'\n\x14\x64\x65\x65pco_service.proto\x12\x06\x64\x65\x65pco\x1a\x0finference.proto\"a\n\x08RunEvent\x12\'\n\x08received\x18\x01 \x01(\x0b\x32\x13.deepco.RunReceivedH\x00\x12#\n\x06result\x18\x02 \x01(\x0b\x32\x11.deepco.RunResultH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bRunReceived\"l\n\tRunResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Q\n\x0eProfileRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04runs\x18\x03 \x01(\r\x12\x0e\n\x06warmup\x18\x04 \x01(\r\"S\n\x0fProfileResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x13\n\x0brun_seconds\x18\x02 \x03(\x01\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t2\xbd\x01\n\rDeepcoService\x12<\n\x07Profile\x12\x16.deepco.ProfileRequest\x1a\x17.deepco.ProfileResponse\"\x00\x12\x39\n\x03Run\x12\x1c.inference.ModelInferRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12\x33\n\x04\x45\x63ho\x12\x13.deepco.EchoRequest\x1a\x14.deepco.EchoResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepco_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROFILEREQUEST']._serialized_start=32
-  _globals['_PROFILEREQUEST']._serialized_end=113
-  _globals['_PROFILERESPONSE']._serialized_start=115
-  _globals['_PROFILERESPONSE']._serialized_end=198
-  _globals['_DEEPCOSERVICE']._serialized_start=200
-  _globals['_DEEPCOSERVICE']._serialized_end=277
+  _globals['_RUNEVENT']._serialized_start=49
+  _globals['_RUNEVENT']._serialized_end=146
+  _globals['_RUNRECEIVED']._serialized_start=148
+  _globals['_RUNRECEIVED']._serialized_end=161
+  _globals['_RUNRESULT']._serialized_start=163
+  _globals['_RUNRESULT']._serialized_end=271
+  _globals['_ECHOREQUEST']._serialized_start=273
+  _globals['_ECHOREQUEST']._serialized_end=324
+  _globals['_ECHORESPONSE']._serialized_start=326
+  _globals['_ECHORESPONSE']._serialized_end=357
+  _globals['_PROFILEREQUEST']._serialized_start=359
+  _globals['_PROFILEREQUEST']._serialized_end=440
+  _globals['_PROFILERESPONSE']._serialized_start=442
+  _globals['_PROFILERESPONSE']._serialized_end=525
+  _globals['_DEEPCOSERVICE']._serialized_start=528
+  _globals['_DEEPCOSERVICE']._serialized_end=717
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from deepco.wire import deepco_service_pb2 as deepco__service__pb2
+from deepco.wire import inference_pb2 as inference__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -39,6 +40,16 @@ class DeepcoServiceStub:
                 request_serializer=deepco__service__pb2.ProfileRequest.SerializeToString,
                 response_deserializer=deepco__service__pb2.ProfileResponse.FromString,
                 _registered_method=True)
+        self.Run = channel.unary_stream(
+                '/deepco.DeepcoService/Run',
+                request_serializer=inference__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=deepco__service__pb2.RunEvent.FromString,
+                _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/deepco.DeepcoService/Echo',
+                request_serializer=deepco__service__pb2.EchoRequest.SerializeToString,
+                response_deserializer=deepco__service__pb2.EchoResponse.FromString,
+                _registered_method=True)
 
 
 class DeepcoServiceServicer:
@@ -52,6 +63,22 @@ class DeepcoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Run(self, request, context):
+        """Run a model on one slice, announcing first that the whole request has arrived: on an antenna the
+        device sends slices one after another, so it starts the next server's transfer on that event while
+        this server computes. Then the result, with the server's own compute time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Echo(self, request, context):
+        """Link probe: the request's payload crosses the link one way, `reply_bytes` bytes come back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeepcoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +86,16 @@ def add_DeepcoServiceServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=deepco__service__pb2.ProfileRequest.FromString,
                     response_serializer=deepco__service__pb2.ProfileResponse.SerializeToString,
+            ),
+            'Run': grpc.unary_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=inference__pb2.ModelInferRequest.FromString,
+                    response_serializer=deepco__service__pb2.RunEvent.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=deepco__service__pb2.EchoRequest.FromString,
+                    response_serializer=deepco__service__pb2.EchoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +125,60 @@ class DeepcoService:
             '/deepco.DeepcoService/Profile',
             deepco__service__pb2.ProfileRequest.SerializeToString,
             deepco__service__pb2.ProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deepco.DeepcoService/Run',
+            inference__pb2.ModelInferRequest.SerializeToString,
+            deepco__service__pb2.RunEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepco.DeepcoService/Echo',
+            deepco__service__pb2.EchoRequest.SerializeToString,
+            deepco__service__pb2.EchoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,88 @@
+"""DeepcoService.Run (received, then result) and Echo, on a real loopback server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from test_server_support import HEAVY_SHAPE, conv_model, heavy_model, reference
+
+from deepco.wire.client import InferenceClient, ServerError
+from server.app import ServeConfig, Server
+
+MODEL = conv_model()
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[InferenceClient]:
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=2, max_inflight=1))
+    with InferenceClient(srv.address) as c:
+        c.load_model(MODEL, "conv")
+        c.load_model(heavy_model(), "heavy")
+        yield c
+    srv.stop(grace=1)
+
+
+def test_run_returns_the_model_output_and_the_server_compute_time(client):
+    x = np.random.default_rng(1).standard_normal((1, 3, 37, 23)).astype(np.float32)
+    outputs, compute, queued = client.start_run("conv", {"input": x}).result()
+    np.testing.assert_allclose(next(iter(outputs.values())), reference(MODEL, x), rtol=1e-5, atol=1e-5)
+    assert 0 < compute < 5 and queued >= 0
+
+
+def test_received_comes_before_the_compute_is_done(client):
+    x = np.zeros(HEAVY_SHAPE, np.float32)
+    start = time.perf_counter()
+    handle = client.start_run("heavy", {"input": x})
+    received = time.perf_counter() - start
+    _, compute, _ = handle.result()
+    total = time.perf_counter() - start
+    assert compute > 0.3  # the heavy model really computes for a while ...
+    assert received < total - 0.8 * compute  # ... and the device heard "received" before it was done
+
+
+def test_a_pipelined_slice_waits_for_the_compute_slot_instead_of_failing(client):
+    x = np.zeros(HEAVY_SHAPE, np.float32)
+    first = client.start_run("heavy", {"input": x})
+    second = client.start_run("heavy", {"input": x})  # max_inflight=1: must queue, not be refused
+    _, compute1, _ = first.result()
+    _, _, queued2 = second.result()
+    assert queued2 > 0.5 * compute1
+
+
+def test_run_errors_have_the_right_status(client):
+    with pytest.raises(ServerError) as err:
+        client.start_run("absent", {"input": np.zeros((1, 3, 8, 8), np.float32)})
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(ServerError) as err:
+        client.start_run("conv", {"input": np.zeros((1, 5, 8, 8), np.float32)})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_echo_moves_the_bytes_asked_for(client):
+    assert client.echo(1000, 10) > 0
+    with pytest.raises(ServerError) as err:
+        client.echo(0, 1 << 30)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_concurrent_runs_from_threads_all_complete(client):
+    x = np.random.default_rng(2).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    want = reference(MODEL, x)
+    errors: list[BaseException] = []
+
+    def go():
+        try:
+            out, _, _ = client.start_run("conv", {"input": x}).result()
+            np.testing.assert_allclose(next(iter(out.values())), want, rtol=1e-5, atol=1e-5)
+        except BaseException as exc:  # collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
