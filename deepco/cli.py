@@ -11,7 +11,11 @@ from deepco.errors import UserError
 # subcommand -> module under deepco.commands providing add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "plan": ("plan", "plan a frame's partition over the cluster (THREAD, THREAD-SA, MoDNN, ...)"),
+    "export": ("export", "export a zoo model (or re-check an ONNX file) as one ONNX model"),
+    "partition": ("partition", "slice a CNN exactly at a cut: rows, halo, bytes, FLOPs; save head/tail"),
     "serve": ("serve", "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
+    "run": ("run", "the device: stream a camera/video/images through the servers with a THREAD plan"),
+    "demo": ("demo", "three local servers, a real photo as a clip, EfficientNet-Lite0, live per-frame results"),
 }
 
 

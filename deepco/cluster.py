@@ -59,8 +59,13 @@ class Server:
     name: str
     capacity: float  # raw capacity c^(i), work per time unit
     address: str | None = None  # host:port of its `deepco serve`
+    # where a server has a different address on each antenna of the device (the emulated testbed): one
+    # host:port per antenna, in antenna order; `address_on` picks it
+    antenna_addresses: tuple[str, ...] = ()
     site: str | None = None
     resources: Resources = field(default_factory=Resources)
+    worker_type: str | None = None  # type u of its worker slots (None: serves any job's worker type)
+    ps_type: str | None = None  # type v of its PS slots (None: serves any job's PS type)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Site:
     name: str
     kind: str = "edge"
     upload_delay: float = 0.0  # time to move a job's data to this site before it may start
+    # when set, each job's delay to this site is drawn in [upload_delay, upload_delay_max] (the seeds' ranges)
+    upload_delay_max: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,14 @@ class Cluster:
     sites: tuple[Site, ...] = ()
     links: tuple[Link, ...] = ()
     source: str = "<memory>"
+
+    def address_on(self, server: Server, antenna: int) -> str:
+        """The host:port the device reaches ``server`` at over antenna ``antenna``."""
+        if server.antenna_addresses:
+            return server.antenna_addresses[antenna]
+        if server.address is None:
+            raise ClusterError(f"{self.source}: key 'servers.{server.name}.address': missing (needed to run)")
+        return server.address
 
     def normalised_capacities(self) -> list[float]:
         """c(i) = c^(i) * s / w (footnote iv of the paper): capacity in data units per time unit."""
@@ -206,6 +221,17 @@ def _parse_address(t: _Table) -> str | None:
     return address
 
 
+def _parse_antenna_addresses(t: _Table) -> tuple[str, ...]:
+    value = t.data.get("antenna_addresses", [])
+    if not isinstance(value, list):
+        raise t.fail("antenna_addresses", "must be a list of host:port strings, one per antenna")
+    out = []
+    for i, item in enumerate(value):
+        address = _parse_address(_Table({"address": item}, f"{t.where}.antenna_addresses[{i}]", t.source))
+        out.append(address or "")
+    return tuple(out)
+
+
 def _parse_device(root: _Table) -> Device:
     dev = root.table("device")
     if dev is None:
@@ -251,12 +277,13 @@ def _parse_servers(root: _Table) -> tuple[Server, ...]:
         raise root.fail("servers", "missing: at least one [[servers]] table is needed")
     servers = []
     for t in tables:
-        t.reject_unknown({"name", "capacity", "address", "site", "gpus", "cpus", "memory_gb",
-                          "worker_slots", "ps_slots"})
+        t.reject_unknown({"name", "capacity", "address", "antenna_addresses", "site", "gpus", "cpus", "memory_gb",
+                          "worker_slots", "ps_slots", "worker_type", "ps_type"})
         servers.append(Server(
             name=t.string("name") or "",
             capacity=t.number("capacity", positive=True),
             address=_parse_address(t),
+            antenna_addresses=_parse_antenna_addresses(t),
             site=t.string("site", required=False),
             resources=Resources(
                 gpus=t.integer("gpus", 0),
@@ -265,6 +292,8 @@ def _parse_servers(root: _Table) -> tuple[Server, ...]:
                 worker_slots=t.integer("worker_slots", 0),
                 ps_slots=t.integer("ps_slots", 0),
             ),
+            worker_type=t.string("worker_type", required=False),
+            ps_type=t.string("ps_type", required=False),
         ))
     names = [s.name for s in servers]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -276,12 +305,14 @@ def _parse_servers(root: _Table) -> tuple[Server, ...]:
 def _parse_sites(root: _Table, servers: tuple[Server, ...]) -> tuple[tuple[Site, ...], tuple[Link, ...]]:
     sites = []
     for t in root.tables("sites"):
-        t.reject_unknown({"name", "kind", "upload_delay"})
+        t.reject_unknown({"name", "kind", "upload_delay", "upload_delay_max"})
         kind = t.string("kind", "edge") or "edge"
         if kind not in SITE_KINDS:
             raise t.fail("kind", f"must be one of {', '.join(SITE_KINDS)}, got {kind!r}")
-        sites.append(Site(name=t.string("name") or "", kind=kind,
-                          upload_delay=t.number("upload_delay", 0.0, minimum=0.0)))
+        delay = t.number("upload_delay", 0.0, minimum=0.0)
+        delay_max = t.number("upload_delay_max", minimum=delay) if t.has("upload_delay_max") else None
+        sites.append(Site(name=t.string("name") or "", kind=kind, upload_delay=delay,
+                          upload_delay_max=delay_max))
     site_names = {s.name for s in sites}
     if len(site_names) != len(sites):
         raise root.fail("sites", "site names must be unique")
@@ -306,7 +337,12 @@ def parse_cluster(data: dict[str, Any], source: str = "<memory>") -> Cluster:
     root.reject_unknown({"device", "workload", "servers", "sites", "links"})
     servers = _parse_servers(root)
     sites, links = _parse_sites(root, servers)
-    return Cluster(device=_parse_device(root), servers=servers, workload=_parse_workload(root),
+    device = _parse_device(root)
+    for i, srv in enumerate(servers):
+        if srv.antenna_addresses and len(srv.antenna_addresses) != len(device.antennas):
+            raise root.fail(f"servers[{i}].antenna_addresses", f"has {len(srv.antenna_addresses)} addresses "
+                            f"for {len(device.antennas)} antennas")
+    return Cluster(device=device, servers=servers, workload=_parse_workload(root),
                    sites=sites, links=links, source=source)
 
 

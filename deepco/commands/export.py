@@ -1,0 +1,57 @@
+"""`deepco export`: the whole model as one ONNX file, the reference every partitioned run must equal."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import onnx
+
+from deepco.errors import UserError
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'HxW' -> (H, W), both positive."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
+        raise UserError(f"--input-size must be HxW with positive integers (e.g. 224x224), got {text!r}")
+    return int(m[1]), int(m[2])
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --input-size and --weights, shared with `deepco partition`."""
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME|PATH.onnx",
+        help="a zoo model (resnet18/34/50/101/152, efficientnet-lite0) or an ONNX file",
+    )
+    p.add_argument("--input-size", required=True, metavar="HxW", help="input height x width, e.g. 224x224")
+    p.add_argument(
+        "--weights",
+        metavar="FILE",
+        help="state dict for a zoo model (default: seeded weights; EfficientNet: its ImageNet ones)",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `deepco export`."""
+    add_model_arguments(p)
+    p.add_argument("--output", required=True, metavar="FILE.onnx", help="where to write the model")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export (or re-check) the model and write it."""
+    from deepco.partition import load_model
+
+    height, width = parse_size(args.input_size)
+    out = Path(args.output)
+    if out.is_dir():
+        raise UserError(f"--output {str(out)!r} is a directory, not a file")
+    if not out.parent.is_dir():
+        raise UserError(f"--output: directory {str(out.parent)!r} does not exist")
+    model = load_model(args.model, height, width, args.weights)
+    onnx.save(model, str(out))
+    print(f"wrote {out} ({args.model}, input {height}x{width}, dynamic height and width)")
+    return 0

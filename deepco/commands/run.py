@@ -1,0 +1,112 @@
+"""`deepco run`: the device. Frames from a camera, video, URL, image or directory, through the plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from deepco.cluster import load_cluster
+from deepco.errors import UserError
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'HxW' -> (H, W)."""
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UserError(f"--input-size must look like 224x224 (HxW), got {text!r}") from None
+    if h <= 0 or w <= 0:
+        raise UserError(f"--input-size must be positive, got {text!r}")
+    return h, w
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `deepco run`."""
+    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file (server addresses)")
+    p.add_argument("--model", required=True, help="zoo model name or path to an .onnx file")
+    p.add_argument("--input-size", default="224x224", metavar="HxW")
+    p.add_argument("--source", required=True, help="camera index, video file, rtsp/http URL, image, or directory")
+    p.add_argument("--frames", type=int, default=None, help="stop after N frames")
+    p.add_argument("--algorithm", default="thread", choices=["thread", "thread-sa", "single", "equal"],
+                   help="planner (default thread); equal: every server, equal rows (a naive baseline)")
+    p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
+    p.add_argument("--weights", default=None, help="state-dict file for a zoo model")
+    p.add_argument("--pace", action="store_true",
+                   help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
+    p.add_argument("--depth", type=int, default=2, help="frames in flight at once (pipelining)")
+    p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
+    p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
+    p.add_argument("--quiet", action="store_true", help="no per-frame lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Set up the device, stream the source through the plan, report."""
+    from device.preprocess import preprocess, preprocessing_for, top_labels
+    from device.session import Device
+    from device.sources import first_frame_check, open_source
+
+    height, width = parse_size(args.input_size)
+    if args.frames is not None and args.frames <= 0:
+        raise UserError(f"--frames must be positive, got {args.frames}")
+    cluster = load_cluster(args.cluster)
+    first_frame_check(args.source)  # a bad source fails before any server is touched
+    how = preprocessing_for(args.model)
+    inputs: list[np.ndarray] = []
+    outputs: list[np.ndarray] = []
+    log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
+    failures = 0
+    try:
+        with Device(cluster, args.model, height, width, algorithm=args.algorithm, cut=args.cut,
+                    weights=args.weights, pace=args.pace, depth=args.depth,
+                    log=lambda line: print(line, flush=True)) as dev:
+            dev.setup()
+            print(dev.describe_plan(), flush=True)
+
+            def frames():
+                for frame in open_source(args.source, args.frames):
+                    x = preprocess(frame, height, width, how)
+                    if args.save_outputs:
+                        inputs.append(x)
+                    yield x
+
+            start = time.perf_counter()
+            latencies = []
+            for result in dev.run(frames()):
+                if log_file:
+                    log_file.write(json.dumps(result.log_record(dev.plan.frame_time)) + "\n")
+                if result.error is not None:
+                    failures += 1
+                    print(f"frame {result.index}: ERROR {result.error}", flush=True)
+                    if args.save_outputs:
+                        outputs.append(np.full_like(outputs[-1], np.nan) if outputs else np.array([np.nan]))
+                    continue
+                latencies.append(result.latency)
+                if args.save_outputs:
+                    outputs.append(result.output)
+                if not args.quiet:
+                    labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(result.output, 3))
+                    fps = len(latencies) / (time.perf_counter() - start)
+                    print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {labels}", flush=True)
+            elapsed = time.perf_counter() - start
+    finally:
+        if log_file:
+            log_file.close()
+    if args.save_outputs:
+        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else np.zeros((0, 3, height, width)),
+                 outputs=np.concatenate(outputs) if outputs else np.zeros((0,)))
+    done = len(latencies)
+    if done:
+        p50, p95 = np.percentile(latencies, [50, 95])
+        print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
+              f"{np.mean(latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; "
+              f"predicted {dev.plan.frame_time * 1e3:.1f} ms; {failures} failed")
+    if failures:
+        print(f"deepco run: {failures} frame(s) failed (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+

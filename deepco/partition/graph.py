@@ -1,0 +1,349 @@
+"""Graph analysis: which nodes of an ONNX model are row-local, their row rules, and the valid cuts.
+
+``RowGraph`` normalises a copy of the model (constants folded into initializers, auto_pad turned into
+the explicit pads of the full image, a static input shape for shape inference), then walks the nodes
+in topological order. Nodes whose row mapping is known and whose image-dependent inputs are all
+row-local form the *partitionable prefix*; the first node that reads a row-local tensor but is not
+itself row-local is where that prefix stops. A *cut* is a row-local tensor that carries all rows:
+nothing after it reads any other image-dependent tensor of its head.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import shape_inference
+from onnx.reference import ReferenceEvaluator
+
+from deepco.errors import UserError
+from deepco.partition.ops import Rule, Unsupported, rule_for, to_array
+
+
+class PartitionError(UserError):
+    """The model cannot be partitioned as asked (unsupported operator, bad cut, bad slicing)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The node where the partitionable prefix ends, and why."""
+
+    node: str
+    op_type: str
+    reason: str
+
+    def describe(self) -> str:
+        """One line: node, operator and reason."""
+        return f"node {self.node!r} ({self.op_type}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A tensor computed on a slice: global rows [offset, offset+size); [valid_lo, valid_hi) are exact."""
+
+    offset: int
+    size: int
+    valid_lo: int
+    valid_hi: int
+
+
+def _node_name(node: onnx.NodeProto, index: int) -> str:
+    return node.name or f"{node.op_type}_{index}"
+
+
+def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
+    shape = value_info.type.tensor_type.shape
+    if not value_info.type.tensor_type.HasField("shape"):
+        return []
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in shape.dim]
+
+
+class RowGraph:
+    """Row-level analysis of one ONNX model for one input size (see the module docstring)."""
+
+    def __init__(self, model: onnx.ModelProto, height: int, width: int):
+        self.height, self.width = height, width
+        self.model = copy.deepcopy(model)
+        graph = self.model.graph
+        init_names = {t.name for t in graph.initializer}
+        inputs = [i for i in graph.input if i.name not in init_names]
+        if len(inputs) != 1:
+            raise PartitionError(
+                f"the model must have exactly one image input, it has {len(inputs)} "
+                f"({', '.join(i.name for i in inputs) or 'none'})"
+            )
+        self.input = inputs[0]
+        self.input_name = self.input.name
+        dims = _dims(self.input)
+        if len(dims) != 4:
+            raise PartitionError(f"input {self.input_name!r} must be 4-d NCHW, it has shape {dims or '?'}")
+        for axis, want in ((2, height), (3, width)):
+            if isinstance(dims[axis], int) and dims[axis] > 0 and dims[axis] != want:
+                raise PartitionError(
+                    f"input {self.input_name!r} is fixed at {dims[2]}x{dims[3]}, not {height}x{width}"
+                )
+        self.channels = dims[1] if isinstance(dims[1], int) and dims[1] > 0 else 3
+        self.itemsize = onnx.helper.tensor_dtype_to_np_dtype(self.input.type.tensor_type.elem_type).itemsize
+        self.nodes = list(graph.node)
+        self.outputs = [o.name for o in graph.output]
+        self._spatial = self._image_dependent()
+        self._fold_constants()
+        self.initializers = {t.name: t for t in self.model.graph.initializer}
+        self.producer: dict[str, int] = {}
+        self.consumers: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            for name in node.output:
+                self.producer[name] = i
+            for name in node.input:
+                if name:
+                    self.consumers.setdefault(name, []).append(i)
+        self.rules: dict[int, Rule] = {}
+        self.stop: Stop | None = None
+        self.hw: dict[str, tuple[int, int]] = {self.input_name: (height, width)}
+        self.stride: dict[str, int] = {self.input_name: 1}
+        self._analyse()
+        self.shapes = self._static_shapes()
+        self.cut_tensors = self._cuts()
+
+    # ---- normalisation -------------------------------------------------------------------------
+
+    def _image_dependent(self) -> set[str]:
+        spatial = {self.input_name}
+        for node in self.nodes:
+            if any(name in spatial for name in node.input):
+                spatial.update(n for n in node.output if n)
+        return spatial
+
+    def _fold_constants(self) -> None:
+        """Evaluate every image-independent tensor that an image-dependent node reads, as an initializer.
+
+        Exporters compute some attributes in the graph (e.g. a Pad's pads from ConstantOfShape, Concat,
+        Reshape, ...); folding them gives the row rules plain numbers and shape inference static shapes.
+        """
+        const_nodes = [n for n in self.nodes if not any(o in self._spatial for o in n.output)]
+        if not const_nodes:
+            return
+        produced = {o for n in const_nodes for o in n.output if o}
+        wanted = sorted(
+            {
+                name
+                for n in self.nodes
+                if any(o in self._spatial for o in n.output)
+                for name in n.input
+                if name in produced
+            }
+            | (produced & set(self.outputs))
+        )
+        graph = self.model.graph
+        needed_inits = {name for n in const_nodes for name in n.input}
+        values: dict[str, np.ndarray] = {}
+        if wanted:
+            sub = onnx.helper.make_graph(
+                const_nodes,
+                "constants",
+                [],
+                [onnx.helper.make_tensor_value_info(w, onnx.TensorProto.UNDEFINED, None) for w in wanted],
+                [t for t in graph.initializer if t.name in needed_inits],
+            )
+            sub_model = onnx.helper.make_model(sub, opset_imports=self.model.opset_import)
+            try:
+                results = ReferenceEvaluator(sub_model).run(None, {})
+            except Exception as exc:  # the evaluator raises many types; the cause goes in the message
+                raise PartitionError(
+                    f"cannot evaluate the model's constant subgraph: {exc}".splitlines()[0]
+                ) from None
+            values = dict(zip(wanted, results, strict=True))
+        kept = [n for n in self.nodes if any(o in self._spatial for o in n.output)]
+        del graph.node[:]
+        graph.node.extend(kept)
+        for name, value in values.items():
+            graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(value), name))
+        used = {name for n in kept for name in n.input} | set(self.outputs)
+        live = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(live)
+        self.nodes = list(graph.node)
+
+    def _const(self, name: str) -> np.ndarray | None:
+        tensor = self.initializers.get(name)
+        return None if tensor is None else to_array(tensor)
+
+    def _const_shape(self, name: str) -> list[int] | None:
+        tensor = self.initializers.get(name)
+        return None if tensor is None else list(tensor.dims)
+
+    def _analyse(self) -> None:
+        """Classify nodes in topological order, fix auto_pad, and compute full-image sizes and strides."""
+        for i, node in enumerate(self.nodes):
+            spatial = [name in self._spatial for name in node.input]
+            ins = [name for name, s in zip(node.input, spatial, strict=True) if s]
+            if not ins:
+                continue
+            if not all(name in self.hw for name in ins):
+                continue  # downstream of the stop: not part of the prefix
+            try:
+                rule = rule_for(node, spatial, self._const, self._const_shape, self.hw[ins[0]])
+                sizes = {self.hw[name] for name in ins}
+                strides = {self.stride[name] for name in ins}
+                if len(sizes) > 1 or len(strides) > 1:
+                    raise Unsupported(
+                        "merges tensors of different sizes or strides "
+                        f"({', '.join(f'{h}x{w}' for h, w in sorted(sizes))})"
+                    )
+            except Unsupported as exc:
+                if self.stop is None:
+                    self.stop = Stop(_node_name(node, i), node.op_type, str(exc))
+                continue
+            if rule.pads is not None:
+                self._set_pads(node, rule.pads)
+            ((h, w),) = sizes
+            out_hw = (rule.rows.out_size(h), rule.cols.out_size(w))
+            if min(out_hw) <= 0:
+                raise PartitionError(
+                    f"node {_node_name(node, i)!r} ({node.op_type}) has no output rows at "
+                    f"{self.height}x{self.width}: the input is too small"
+                )
+            self.rules[i] = rule
+            (stride,) = strides
+            self.hw[node.output[0]] = out_hw
+            self.stride[node.output[0]] = stride * rule.rows.stride
+
+    @staticmethod
+    def _set_pads(node: onnx.NodeProto, pads: list[int]) -> None:
+        keep = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+        node.attribute.append(onnx.helper.make_attribute("pads", pads))
+
+    def _static_shapes(self) -> dict[str, list[int]]:
+        """Shapes of all tensors at batch 1 and the full image size; row sizes checked against ours."""
+        static = copy.deepcopy(self.model)
+        shape = static.graph.input[
+            [i.name for i in static.graph.input].index(self.input_name)
+        ].type.tensor_type.shape
+        for dim, value in zip(shape.dim, (1, self.channels, self.height, self.width), strict=True):
+            dim.Clear()
+            dim.dim_value = value
+        del static.graph.value_info[:]
+        try:
+            inferred = shape_inference.infer_shapes(static, data_prop=True)
+        except Exception as exc:  # onnx raises InferenceError and others; all mean a broken model
+            raise PartitionError(f"ONNX shape inference failed: {exc}".splitlines()[0]) from None
+        shapes = {}
+        for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+            dims = _dims(vi)
+            if dims and all(isinstance(d, int) for d in dims):
+                shapes[vi.name] = dims
+        for t in inferred.graph.initializer:
+            shapes[t.name] = list(t.dims)
+        for name, (h, w) in self.hw.items():
+            dims = shapes.get(name)
+            if dims is not None and len(dims) == 4 and (dims[2], dims[3]) != (h, w):
+                raise PartitionError(
+                    f"row analysis and ONNX shape inference disagree on {name!r}: "
+                    f"{h}x{w} vs {dims[2]}x{dims[3]}"
+                )
+        return shapes
+
+    # ---- cuts ----------------------------------------------------------------------------------
+
+    def ancestors(self, tensor: str) -> list[int]:
+        """Indices of the image-dependent nodes that ``tensor`` is computed from, in topological order."""
+        seen: set[int] = set()
+        stack = [tensor]
+        while stack:
+            i = self.producer.get(stack.pop())
+            if i is None or i in seen:
+                continue
+            seen.add(i)
+            stack.extend(name for name in self.nodes[i].input if name in self._spatial)
+        return sorted(seen)
+
+    def _cuts(self) -> list[str]:
+        """Row-local tensors that carry all rows, in topological order."""
+        cuts = []
+        for i in sorted(self.rules):
+            tensor = self.nodes[i].output[0]
+            if tensor in self.outputs:
+                continue
+            head = set(self.ancestors(tensor))
+            if not head <= self.rules.keys():
+                continue
+            inner = {self.input_name} | {o for j in head for o in self.nodes[j].output if o}
+            inner.discard(tensor)
+            leaks = any(j not in head for name in inner for j in self.consumers.get(name, ()))
+            if not leaks and not (inner & set(self.outputs)):
+                cuts.append(tensor)
+        return cuts
+
+    def alignment(self, head: Iterable[int]) -> int:
+        """The slice start must be a multiple of this: every strided node needs its input offset aligned."""
+        align = 1
+        for i in head:
+            first = next(n for n in self.nodes[i].input if n in self._spatial)
+            align = math.lcm(align, self.stride[first] * self.rules[i].rows.stride)
+        return align
+
+    # ---- row propagation -----------------------------------------------------------------------
+
+    def spatial_inputs(self, i: int) -> list[str]:
+        """The image-dependent inputs of node i."""
+        return [n for n in self.nodes[i].input if n in self._spatial]
+
+    def backward(
+        self, head: list[int], tensor: str, a: int, b: int, clip: bool = True
+    ) -> dict[str, tuple[int, int]]:
+        """Rows of every head tensor needed for rows [a, b) of ``tensor`` (union over consumers)."""
+        need = {tensor: (a, b)}
+        for i in reversed(head):
+            out = self.nodes[i].output[0]
+            if out not in need:
+                continue
+            oa, ob = need[out]
+            lo, hi = self.rules[i].rows.need(oa, ob)
+            for name in self.spatial_inputs(i):
+                rlo, rhi = (max(lo, 0), min(hi, self.hw[name][0])) if clip else (lo, hi)
+                if name in need:
+                    rlo, rhi = min(rlo, need[name][0]), max(rhi, need[name][1])
+                need[name] = (rlo, rhi)
+        return need
+
+    def forward(self, head: list[int], start: int, stop: int) -> dict[str, Rows]:
+        """Simulate running the head on image rows [start, stop): each tensor's rows and its exact part.
+
+        A row is exact when every row it reads is an exact row, or lies outside the slice on a side
+        where the slice border is the image border (the head's zero padding is then the model's own).
+        """
+        rows = {self.input_name: Rows(start, stop - start, start, stop)}
+        for i in head:
+            ins = [rows[n] for n in self.spatial_inputs(i)]
+            win = self.rules[i].rows
+            first = ins[0]
+            if any((r.offset, r.size) != (first.offset, first.size) for r in ins):
+                raise PartitionError(f"node {_node_name(self.nodes[i], i)!r} merges slices of different rows")
+            if first.offset % win.stride:
+                raise PartitionError(
+                    f"slice start {start} is not aligned to the stride at node "
+                    f"{_node_name(self.nodes[i], i)!r}"
+                )
+            full = self.hw[self.spatial_inputs(i)[0]][0]
+            offset, size = first.offset // win.stride, win.out_size(first.size)
+            if size <= 0:
+                raise PartitionError(
+                    f"slice [{start}, {stop}) is too thin for node {_node_name(self.nodes[i], i)!r}"
+                )
+            lo, hi = offset, offset + size
+            for r in ins:
+                if r.valid_lo >= r.valid_hi:
+                    lo, hi = 0, 0
+                    break
+                if not (r.offset == 0 and r.valid_lo == 0):
+                    lo = max(lo, -(-(r.valid_lo + win.pad_top) // win.stride))
+                if not (r.offset + r.size == full and r.valid_hi == full):
+                    hi = min(hi, (r.valid_hi - win.extent + win.pad_top) // win.stride + 1)
+            rows[self.nodes[i].output[0]] = Rows(offset, size, lo, max(lo, hi))
+        return rows

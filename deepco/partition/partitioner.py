@@ -1,0 +1,313 @@
+"""The partitioner: candidate cuts of a CNN, exact per-slice rows, bytes and FLOPs, and head/tail models.
+
+For output rows [a, b) of the tensor at a cut, the input rows the head needs come from backward
+interval propagation through the DAG (union over consumers, clipped to each tensor). The slice start is
+then aligned down to the head's total stride, so that each of the head's strided nodes sees its input
+at an offset it divides; a forward simulation of the head on those rows gives, for every tensor, which
+rows the slice run computes and which of them are exact (rows next to an interior slice border that
+were computed from the head's zero padding are not). The crop is where rows [a, b) sit in the head's
+output; the forward check guarantees they are all exact, so a sliced run equals the whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+import onnx
+from onnx import shape_inference
+
+from deepco.partition.flops import node_flops
+from deepco.partition.graph import PartitionError, RowGraph, Stop
+from deepco.partition.ops import ELEMENTWISE
+
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A point where one tensor carries all rows: the head computes it, the tail needs nothing else.
+
+    ``halo_top``/``halo_bottom`` are the exact extra input rows an interior slice needs above row
+    a*stride and below row b*stride for its output rows [a, b); ``paper_halo`` is the paper's
+    o(M) = 2 * sum(floor(f/2)) over the head's convolutions, for comparison.
+    """
+
+    name: str
+    tensor: str
+    height: int
+    width: int
+    channels: int
+    stride: int
+    halo_top: int
+    halo_bottom: int
+    paper_halo: int
+    head_flops: int
+    tail_flops: int
+
+    @property
+    def halo(self) -> int:
+        """Exact halo rows of an interior slice (top + bottom)."""
+        return self.halo_top + self.halo_bottom
+
+
+@dataclass(frozen=True)
+class SliceCost:
+    """One slice at a cut: run the head on ``input_rows``, keep ``crop`` of its output = ``output_rows``.
+
+    Bytes assume the input's element type; ``output_bytes`` is the cropped part a server returns;
+    ``flops`` is everything the head computes on the slice, redundant halo work included.
+    """
+
+    output_rows: Interval
+    input_rows: Interval
+    crop: Interval
+    input_bytes: int
+    output_bytes: int
+    flops: int
+
+    def to_dict(self) -> dict:
+        """JSON form: intervals as two-element lists."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def _readable_names(graph: RowGraph, tensors: list[str]) -> dict[str, str]:
+    """Module-like names for cut tensors: the outermost exporter scope ("/layer1/layer1.0/...") that the
+    tensor's producer closes, e.g. "layer1.0" for a block's output and "layer1" for a stage's."""
+    last: dict[tuple[str, ...], int] = {}
+    for i, node in enumerate(graph.nodes):
+        scopes = node.name.split("/")[1:-1] if node.name.startswith("/") else []
+        for depth in range(1, len(scopes) + 1):
+            last[tuple(scopes[:depth])] = i
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for tensor in tensors:
+        i = graph.producer[tensor]
+        node = graph.nodes[i]
+        scopes = node.name.split("/")[1:-1] if node.name.startswith("/") else []
+        depth = next((d for d in range(1, len(scopes) + 1) if last[tuple(scopes[:d])] == i), 0)
+        name = _qualified(scopes[:depth]) if depth else tensor
+        if name in taken:
+            name = tensor
+        taken.add(name)
+        names[tensor] = name
+    return names
+
+
+def _qualified(scopes: list[str]) -> str:
+    """Exporter scopes as a module path: ["layer1", "layer1.0"] -> "layer1.0", ["_blocks.1", "_swish"] ->
+    "_blocks.1._swish" (torch names nested modules in full, but repeated calls only by their own name)."""
+    name = scopes[0]
+    for part in scopes[1:]:
+        name = part if part.startswith(name + ".") else f"{name}.{part}"
+    return name
+
+
+class Partitioner:
+    """Exact data-lookahead partitioning of one ONNX model at one input size.
+
+    >>> p = Partitioner(model, 224, 224)
+    >>> [c.name for c in p.cuts]            # candidate cuts in topological order
+    >>> p.slices("layer2", [0, 10, 28])     # per-slice rows, crop, bytes, FLOPs
+    >>> p.cost("layer2", 0, 10)             # one slice: output rows [0, 10) at the cut
+    >>> head, tail = p.split("layer2")      # ONNX models: head on any slice, tail on the stitched cut
+    """
+
+    def __init__(self, model: onnx.ModelProto, height: int, width: int):
+        if height <= 0 or width <= 0:
+            raise PartitionError(f"input size must be positive, got {height}x{width}")
+        self.height, self.width = height, width
+        self.graph = RowGraph(model, height, width)
+        g = self.graph
+        self.stop: Stop | None = g.stop
+        self._flops = [node_flops(node, g.shapes) for node in g.nodes]
+        self.total_flops = sum(self._flops)
+        tensors = self._maximal(g.cut_tensors)
+        names = _readable_names(g, tensors)
+        self._heads = {t: g.ancestors(t) for t in g.cut_tensors}
+        self.cuts = [self._make_cut(names[t], t) for t in tensors]
+        self._by_name = {c.name: c for c in self.cuts} | {c.tensor: c for c in self.cuts}
+        self._by_name |= {g.nodes[g.producer[c.tensor]].name: c for c in self.cuts}
+        if not self.cuts:
+            where = f"; it stops at {self.stop.describe()}" if self.stop else ""
+            raise PartitionError(f"the model has no partitionable prefix{where}")
+
+    def _maximal(self, tensors: list[str]) -> list[str]:
+        """Drop a cut whose only reader is a row-for-row node producing the next cut (a Conv's output
+        before its Relu, an Add before the block's Relu): the later one needs the same rows, does more."""
+        g = self.graph
+        keep = []
+        for t in tensors:
+            if g.nodes[g.producer[t]].op_type == "Pad":
+                continue  # the same rows as the Pad's input, shifted: never a better cut
+            readers = g.consumers.get(t, [])
+            if len(readers) == 1 and g.nodes[readers[0]].output[0] in tensors:
+                reader = g.nodes[readers[0]]
+                # element-wise only: a 1x1 Conv maps rows one to one too, but changes the bytes sent back
+                if reader.op_type in ELEMENTWISE and len(g.spatial_inputs(readers[0])) == 1:
+                    continue
+            keep.append(t)
+        return keep
+
+    def _make_cut(self, name: str, tensor: str) -> Cut:
+        g = self.graph
+        head = self._heads[tensor]
+        stride = g.alignment(head)
+        lo, hi = g.backward(head, tensor, 0, 1, clip=False)[g.input_name]
+        h, w = g.hw[tensor]
+        shape = g.shapes.get(tensor)
+        paper = 0
+        for i in head:
+            if g.nodes[i].op_type == "Conv":
+                weight = g.shapes.get(g.nodes[i].input[1])
+                paper += 2 * (weight[2] // 2) if weight else 0
+        head_flops = sum(self._flops[i] for i in head)
+        return Cut(
+            name=name,
+            tensor=tensor,
+            height=h,
+            width=w,
+            channels=shape[1] if shape else 0,
+            stride=stride,
+            halo_top=-lo,
+            halo_bottom=hi - stride,
+            paper_halo=paper,
+            head_flops=head_flops,
+            tail_flops=self.total_flops - head_flops,
+        )
+
+    # ---- look-ups ------------------------------------------------------------------------------
+
+    def cut(self, name: str | Cut) -> Cut:
+        """The cut called ``name`` (readable name, tensor name or producing node name)."""
+        if isinstance(name, Cut):
+            return name
+        if name in self._by_name:
+            return self._by_name[name]
+        g = self.graph
+        by_node = {node.name: node.output[0] for node in g.nodes if node.name and node.output}
+        name = by_node.get(name, name)
+        if name in self._heads:  # a valid cut that is not listed (its reader does the same rows, more work)
+            self._by_name[name] = self._make_cut(name, name)
+            return self._by_name[name]
+        if name in g.producer or name == g.input_name:
+            if name not in g.hw and self.stop is not None:
+                raise PartitionError(
+                    f"cut {name!r} lies past where the partitionable prefix stops: {self.stop.describe()}"
+                )
+            raise PartitionError(
+                f"tensor {name!r} is not a cut: other tensors before it are read after it "
+                f"(cuts: {', '.join(c.name for c in self.cuts)})"
+            )
+        raise PartitionError(f"unknown cut {name!r} (cuts: {', '.join(c.name for c in self.cuts)})")
+
+    def head_output_rows(self, cut: str | Cut) -> int:
+        """Rows of the cut tensor for the whole image."""
+        return self.cut(cut).height
+
+    # ---- rows and costs ------------------------------------------------------------------------
+
+    def needed_input_rows(self, cut: str | Cut, a: int, b: int) -> Interval:
+        """The exact input rows [lo, hi) that output rows [a, b) at ``cut`` depend on (not yet aligned)."""
+        c = self.cut(cut)
+        self._check_rows(c, a, b)
+        return self.graph.backward(self._heads[c.tensor], c.tensor, a, b)[self.graph.input_name]
+
+    def cost(self, cut: str | Cut, a: int, b: int) -> SliceCost:
+        """Rows, crop, bytes and FLOPs of the slice yielding output rows [a, b) at ``cut``."""
+        c = self.cut(cut)
+        g = self.graph
+        head = self._heads[c.tensor]
+        lo, hi = self.needed_input_rows(c, a, b)
+        start = lo - lo % c.stride
+        rows = g.forward(head, start, hi)
+        out = rows[c.tensor]
+        if not (out.valid_lo <= a and b <= out.valid_hi):
+            # cannot happen if the backward rules are sound; refuse rather than return a wrong slice
+            raise PartitionError(
+                f"internal: slice [{start}, {hi}) does not compute rows [{a}, {b}) of "
+                f"{c.name!r} exactly (exact rows [{out.valid_lo}, {out.valid_hi}))"
+            )
+        flops = 0
+        for i in head:
+            out_rows = g.hw[g.nodes[i].output[0]][0]
+            flops += self._flops[i] * rows[g.nodes[i].output[0]].size // out_rows
+        row_in = g.channels * self.width * g.itemsize
+        row_out = c.channels * c.width * g.itemsize
+        return SliceCost(
+            output_rows=(a, b),
+            input_rows=(start, hi),
+            crop=(a - out.offset, b - out.offset),
+            input_bytes=(hi - start) * row_in,
+            output_bytes=(b - a) * row_out,
+            flops=flops,
+        )
+
+    def slices(self, cut: str | Cut, boundaries: list[int]) -> list[SliceCost]:
+        """One SliceCost per interval of ``boundaries`` = [0, r1, ..., height of the cut], strictly rising."""
+        c = self.cut(cut)
+        if len(boundaries) < 2 or boundaries[0] != 0 or boundaries[-1] != c.height:
+            raise PartitionError(
+                f"row boundaries must start at 0 and end at {c.height} (the rows of "
+                f"{c.name!r}), got {','.join(map(str, boundaries))}"
+            )
+        if any(b <= a for a, b in zip(boundaries, boundaries[1:], strict=False)):
+            raise PartitionError(f"row boundaries must rise strictly, got {','.join(map(str, boundaries))}")
+        return [self.cost(c, a, b) for a, b in zip(boundaries, boundaries[1:], strict=False)]
+
+    def equal_boundaries(self, cut: str | Cut, k: int) -> list[int]:
+        """Boundaries of ``k`` slices of (nearly) equal output rows at ``cut``."""
+        c = self.cut(cut)
+        if not 1 <= k <= c.height:
+            raise PartitionError(f"cannot cut the {c.height} rows of {c.name!r} into {k} slices")
+        return [round(i * c.height / k) for i in range(k + 1)]
+
+    def _check_rows(self, c: Cut, a: int, b: int) -> None:
+        if not 0 <= a < b <= c.height:
+            raise PartitionError(
+                f"output rows [{a}, {b}) are not a non-empty part of [0, {c.height}) at {c.name!r}"
+            )
+
+    # ---- head / tail ---------------------------------------------------------------------------
+
+    def split(self, cut: str | Cut) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+        """(head, tail): the head maps image rows to cut rows on any height and width; the tail maps the
+        whole cut tensor to the model's outputs. Both extracted with onnx.utils.Extractor and checked."""
+        c = self.cut(cut)
+        g = self.graph
+        dynamic = self._with_input_dims(("height", "width"))
+        head = onnx.utils.Extractor(dynamic).extract_model([g.input_name], [c.tensor])
+        dims = head.graph.output[0].type.tensor_type.shape.dim
+        for d, param in zip(dims[2:], ("out_height", "out_width"), strict=False):
+            d.Clear()
+            d.dim_param = param
+        head = self._finish(head, f"{c.name}-head")
+        static = self._with_input_dims((self.height, self.width))
+        tail = onnx.utils.Extractor(static).extract_model([c.tensor], list(g.outputs))
+        return head, self._finish(tail, f"{c.name}-tail")
+
+    def _with_input_dims(self, hw: tuple[int | str, int | str]) -> onnx.ModelProto:
+        model = copy.deepcopy(self.graph.model)
+        del model.graph.value_info[:]
+        for vi in model.graph.input:
+            if vi.name == self.graph.input_name:
+                for d, value in zip(vi.type.tensor_type.shape.dim[2:], hw, strict=True):
+                    d.Clear()
+                    if isinstance(value, int):
+                        d.dim_value = value
+                    else:
+                        d.dim_param = value
+        # Extractor reads the cut tensor's type from value_info: infer it first
+        return shape_inference.infer_shapes(model)
+
+    @staticmethod
+    def _finish(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+        model.graph.name = name
+        del model.graph.value_info[:]
+        model = shape_inference.infer_shapes(model, strict_mode=True)
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+    def tail_flops(self, cut: str | Cut) -> int:
+        """FLOPs of everything after ``cut`` (run once, on the stitched cut tensor)."""
+        return self.cut(cut).tail_flops

@@ -1,0 +1,417 @@
+"""The device: connect to the servers, measure them, plan, and run frames through the plan.
+
+Setup: export (or read) the model, analyse it with the exact partitioner, time the device itself on the
+whole model, upload a reference head to every server and time it there (DeepcoService.Profile), probe
+each antenna's bandwidth (DeepcoService.Echo), then plan every candidate cut (THREAD's association and
+order + integer rows on the exact cost model) and keep the cut of least predicted frame time. Its head
+goes to the servers, its tail stays here.
+
+Running: one sender thread per antenna sends each frame's slices in the plan's order, one after another
+(the next send starts when the server reports the previous slice received); antennas run in parallel;
+results are collected as they come, cropped, stitched and fed to the tail. Up to ``depth`` frames are in
+flight, so frame k+1's transfers overlap frame k's computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnxruntime as ort
+
+from deepco.cluster import Cluster
+from deepco.errors import UserError
+from deepco.partition import Cut, Partitioner, load_model
+from deepco.planning import make_plan
+from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
+from deepco.wire.client import InferenceClient, ServerError
+
+ALGORITHMS = ("thread", "thread-sa", "single", "equal")
+PROBE_BYTES = 1 << 20
+
+
+def _session(model_bytes: bytes, threads: int = 0) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def _median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass
+class Measurements:
+    """What setup measured: server and device speeds, antenna bandwidths, per-request overhead."""
+
+    server_flops_per_second: dict[str, float]
+    antenna_bytes_per_second: list[float]
+    request_overhead: float
+    device_flops_per_second: float
+    paced: bool
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return {"server_flops_per_second": self.server_flops_per_second,
+                "antenna_bytes_per_second": self.antenna_bytes_per_second,
+                "request_overhead": self.request_overhead,
+                "device_flops_per_second": self.device_flops_per_second, "paced": self.paced}
+
+
+@dataclass
+class ServerTiming:
+    """One slice of one frame, measured on the device (seconds from the frame's start)."""
+
+    name: str
+    antenna: int
+    rows: tuple[int, int]
+    send_start: float = 0.0
+    transfer: float = 0.0  # until the server reported the whole slice received (see `collect`)
+    queue: float = 0.0  # server side, waiting for a compute slot
+    compute: float = 0.0  # server side, ONNX Runtime
+    back: float = 0.0  # the rest: result serialisation and return transfer
+    finish: float = 0.0
+
+
+@dataclass
+class FrameResult:
+    """One frame's output (or error) and its timeline."""
+
+    index: int
+    output: np.ndarray | None = None
+    error: str | None = None
+    latency: float = 0.0
+    dispatch: float = 0.0  # from the last slice's return to the start of stitching (thread hand-over)
+    stitch: float = 0.0
+    tail: float = 0.0
+    servers: list[ServerTiming] = field(default_factory=list)
+
+    def log_record(self, predicted: float) -> dict:
+        """The --json-log line of this frame."""
+        return {"frame": self.index, "latency": self.latency, "predicted": predicted, "error": self.error,
+                "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
+                "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
+                             "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
+                             "finish": s.finish} for s in self.servers]}
+
+
+@dataclass
+class _Frame:
+    index: int
+    x: np.ndarray
+    start: float
+    remaining: int
+    pieces: dict[int, np.ndarray] = field(default_factory=dict)
+    timings: dict[int, ServerTiming] = field(default_factory=dict)
+    error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Device:
+    """A device running one model over the servers of a cluster file."""
+
+    def __init__(self, cluster: Cluster, model: str, height: int, width: int, *, algorithm: str = "thread",
+                 cut: str = "auto", weights: str | None = None, pace: bool = False, depth: int = 2,
+                 log: Callable[[str], None] = print):
+        if algorithm not in ALGORITHMS:
+            raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
+        if depth < 1:
+            raise UserError(f"pipeline depth must be >= 1, got {depth}")
+        self.cluster, self.model_spec, self.height, self.width = cluster, model, height, width
+        self.algorithm, self.cut_spec, self.weights, self.pace, self.depth = algorithm, cut, weights, pace, depth
+        self.log = log
+        self.clients: dict[tuple[str, int], InferenceClient] = {}
+        self.plan: RowPlan | None = None
+        self.cut: Cut | None = None
+        self.measured: Measurements | None = None
+        self.tag = re.sub(r"[^A-Za-z0-9_.-]", "_", model.rsplit("/", 1)[-1])
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    def client(self, server: int, antenna: int) -> InferenceClient:
+        """The channel to ``server`` over ``antenna`` (opened once)."""
+        key = (self.cluster.servers[server].name, antenna)
+        if key not in self.clients:
+            address = self.cluster.address_on(self.cluster.servers[server], antenna)
+            self.clients[key] = InferenceClient(address, timeout=120.0)
+        return self.clients[key]
+
+    def close(self) -> None:
+        """Close every channel."""
+        for c in self.clients.values():
+            c.close()
+        self.clients.clear()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def setup(self) -> RowPlan:
+        """Load, measure, plan and upload; returns the plan (also printed through ``log``)."""
+        self.model = load_model(self.model_spec, self.height, self.width, self.weights)
+        self.partitioner = p = Partitioner(self.model, self.height, self.width)
+        cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
+        for k in range(len(self.cluster.servers)):
+            self.client(k, 0).wait_ready(timeout=10.0)
+        x = np.zeros((1, 3, self.height, self.width), np.float32)
+        whole = _session(self.model.SerializeToString())
+        self.input_name = whole.get_inputs()[0].name
+        device_rate = p.total_flops / _median_seconds(lambda: whole.run(None, {self.input_name: x}))
+        reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
+        ref_head, _ = p.split(reference)
+        ref_name = f"{self.tag}-probe"
+        rates = {}
+        for k, srv in enumerate(self.cluster.servers):
+            c = self.client(k, 0)
+            c.load_model(ref_head.SerializeToString(), ref_name)
+            rates[srv.name] = reference.head_flops / c.profile(ref_name, x.shape, runs=3, warmup=1).seconds
+            c.unload_model(ref_name)
+        bandwidths, overhead = self._probe_links()
+        self.measured = Measurements(rates, bandwidths, overhead, device_rate, self.pace)
+        plans = {c.name: self._plan_at(c) for c in cuts}
+        self.cut = min(cuts, key=lambda c: (plans[c.name].frame_time, -cuts.index(c)))
+        self.plan = plans[self.cut.name]
+        if len(cuts) > 1:
+            others = ", ".join(f"{n} {pl.frame_time * 1e3:.1f}" for n, pl in plans.items())
+            self.log(f"cut: {self.cut.name} (least predicted frame time, ms: {others})")
+        self._upload()
+        return self.plan
+
+    def _probe_links(self) -> tuple[list[float], float]:
+        antennas = self.cluster.device.antennas
+        if self.pace:  # the configured bandwidth is what pacing will enforce
+            overhead = _median_seconds(lambda: self.client(0, 0).echo(1), runs=5)
+            return [a.bandwidth * 1e6 / 8 for a in antennas], overhead
+        bandwidths, overheads = [], []
+        for m in range(len(antennas)):
+            c = self.client(0, m)
+            small = _median_seconds(lambda c=c: c.echo(1), runs=5)
+            big = _median_seconds(lambda c=c: c.echo(PROBE_BYTES), runs=3)
+            bandwidths.append(PROBE_BYTES / max(big - small, 1e-6))
+            overheads.append(small)
+        return bandwidths, statistics.median(overheads)
+
+    def _plan_at(self, cut: Cut) -> RowPlan:
+        m = self.measured
+        assert m is not None
+        p = self.partitioner
+        nodes = [Node(s.name, m.server_flops_per_second[s.name]) for s in self.cluster.servers]
+        image_bytes = 3 * self.height * self.width * 4
+        tail_time = cut.tail_flops / m.device_flops_per_second
+
+        def bill(a: int, b: int) -> SliceBill:
+            s = p.cost(cut, a, b)
+            return SliceBill(s.input_bytes, s.flops, s.output_bytes)
+
+        if self.algorithm == "equal":
+            return equal_rows(nodes, m.antenna_bytes_per_second, cut.height, bill, overhead=m.request_overhead,
+                              tail_time=tail_time)
+        inst = abstract_instance(nodes, m.antenna_bytes_per_second, image_bytes, cut.head_flops,
+                                 cut.halo / self.height)
+        abstract = make_plan(inst, self.algorithm)
+        return size_rows(association(abstract, inst), nodes, m.antenna_bytes_per_second, cut.height, bill,
+                         overhead=m.request_overhead, tail_time=tail_time, algorithm=self.algorithm)
+
+    def _upload(self) -> None:
+        assert self.plan is not None and self.cut is not None
+        head, tail = self.partitioner.split(self.cut)
+        self.head_name = f"{self.tag}-{self.cut.name}-head"
+        self.head_input = head.graph.input[0].name
+        data = head.SerializeToString()
+        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
+        for s in self.plan.slices:
+            client = self.client(index[s.name], s.antenna)
+            if self.head_name not in client.loaded_models():
+                client.load_model(data, self.head_name)
+        self.tail = _session(tail.SerializeToString())
+        self.tail_input = self.tail.get_inputs()[0].name
+        self.slices = {(s.start, s.stop): self.partitioner.cost(self.cut, s.start, s.stop) for s in self.plan.slices}
+
+    def describe_plan(self) -> str:
+        """The plan as a table (with what was measured)."""
+        plan, m, cut = self.plan, self.measured, self.cut
+        assert plan is not None and m is not None and cut is not None
+        lines = [f"plan: {plan.algorithm} at cut {cut.name} ({cut.height} rows, halo {cut.halo_top}+"
+                 f"{cut.halo_bottom}, stride {cut.stride}); predicted frame {plan.frame_time * 1e3:.1f} ms "
+                 f"(slices {plan.completion_time * 1e3:.1f} + tail {plan.tail_time * 1e3:.1f})",
+                 "measured: " + ", ".join(f"{n} {r / 1e9:.2f} GFLOP/s" for n, r in m.server_flops_per_second.items())
+                 + "; antennas " + ", ".join(f"{b * 8 / 1e6:.1f} Mbit/s" for b in m.antenna_bytes_per_second)
+                 + (" (paced: EMULATED by app-level pacing)" if m.paced else "")
+                 + f"; request overhead {m.request_overhead * 1e3:.2f} ms; device {m.device_flops_per_second / 1e9:.2f}"
+                 " GFLOP/s",
+                 f"{'server':<10} {'antenna':>7} {'order':>5} {'rows':>9} {'tx start':>9} {'tx':>8} {'compute':>8} "
+                 f"{'return':>8} {'finish':>8}  (ms)"]
+        for s in sorted(plan.slices, key=lambda s: (s.antenna, s.order)):
+            lines.append(f"{s.name:<10} {s.antenna:>7} {s.order:>5} {f'{s.start}-{s.stop}':>9} "
+                         f"{s.transfer_start * 1e3:>9.1f} {s.transfer_time * 1e3:>8.1f} {s.compute_time * 1e3:>8.1f} "
+                         f"{s.return_time * 1e3:>8.1f} {s.finish_time * 1e3:>8.1f}")
+        return "\n".join(lines)
+
+    # ---- running --------------------------------------------------------------------------------------
+    def run(self, inputs: Iterable[np.ndarray]) -> Iterator[FrameResult]:
+        """Results of every input (1x3xHxW float32), in order; each either an output or an error."""
+        plan = self.plan
+        assert plan is not None, "setup() first"
+        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
+        per_antenna: dict[int, list] = {}
+        for s in sorted(plan.slices, key=lambda s: (s.antenna, s.order)):
+            per_antenna.setdefault(s.antenna, []).append(s)
+        order = sorted(plan.slices, key=lambda s: s.start)
+        done: queue.Queue[_Frame] = queue.Queue()
+        slots = threading.Semaphore(self.depth)
+        senders: dict[int, queue.Queue] = {m: queue.Queue() for m in per_antenna}
+        pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(plan.slices)))
+
+        def fail(frame: _Frame, message: str) -> None:
+            with frame.lock:
+                frame.error = frame.error or message
+                frame.remaining -= 1
+                last = frame.remaining == 0
+            if last:
+                done.put(frame)
+
+        def collect(frame: _Frame, s, handle, timing: ServerTiming) -> None:
+            try:
+                outputs, compute, queued = handle.result()
+            except ServerError as exc:
+                fail(frame, str(exc))
+                return
+            timing.finish = time.perf_counter() - frame.start
+            timing.compute, timing.queue = compute, queued
+            # The "received" event reaches us a little after the server started computing (it shares the
+            # wire and the CPU with the compute), so the transfer is at most what the server's own times leave.
+            total = timing.finish - timing.send_start
+            timing.transfer = min(timing.transfer, total - compute - queued)
+            timing.back = total - timing.transfer - compute - queued
+            with frame.lock:
+                frame.pieces[s.start] = next(iter(outputs.values()))
+                frame.timings[s.start] = timing
+                frame.remaining -= 1
+                last = frame.remaining == 0
+            if last:
+                done.put(frame)
+
+        def sender(m: int) -> None:
+            while True:
+                frame = senders[m].get()
+                if frame is None:
+                    return
+                for s in per_antenna[m]:
+                    cost = self.slices[(s.start, s.stop)]
+                    a, b = cost.input_rows
+                    timing = ServerTiming(s.name, m, (s.start, s.stop))
+                    sent = time.perf_counter()
+                    timing.send_start = sent - frame.start
+                    try:
+                        handle = self.client(index[s.name], m).start_run(
+                            self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])})
+                    except ServerError as exc:
+                        fail(frame, str(exc))
+                        continue
+                    if self.pace:  # hold the antenna for as long as these bytes take at its bandwidth
+                        bandwidth = self.measured.antenna_bytes_per_second[m]
+                        pause = sent + cost.input_bytes / bandwidth - time.perf_counter()
+                        if pause > 0:
+                            time.sleep(pause)
+                    timing.transfer = time.perf_counter() - sent
+                    pool.submit(collect, frame, s, handle, timing)
+
+        threads = [threading.Thread(target=sender, args=(m,), daemon=True) for m in per_antenna]
+        for t in threads:
+            t.start()
+        feeder_error: list[BaseException] = []
+        fed: list[int] = []
+        finished: queue.Queue[FrameResult | None] = queue.Queue()
+
+        def feed() -> None:
+            count = 0
+            try:
+                for x in inputs:
+                    slots.acquire()
+                    frame = _Frame(count, x, time.perf_counter(), len(plan.slices))
+                    count += 1
+                    for m in per_antenna:
+                        senders[m].put(frame)
+            except BaseException as exc:  # a source error ends the run after the frames already in
+                feeder_error.append(exc)
+            finally:
+                fed.append(count)
+                finished.put(None)  # wake the consumer: it now knows how many frames to expect
+
+        def finisher() -> None:  # stitch + tail off the consumer's thread, so a slow consumer stalls nothing
+            while True:
+                frame = done.get()
+                if frame is None:
+                    return
+                result = self._finish(frame, order)
+                slots.release()
+                finished.put(result)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        threading.Thread(target=finisher, daemon=True).start()
+        pending: dict[int, FrameResult] = {}
+        next_index = 0
+        try:
+            while not fed or next_index < fed[0]:
+                result = finished.get()
+                if result is not None:
+                    pending[result.index] = result
+                while next_index in pending:
+                    yield pending.pop(next_index)
+                    next_index += 1
+        finally:
+            for m in per_antenna:
+                senders[m].put(None)
+            done.put(None)  # type: ignore[arg-type]
+            pool.shutdown(wait=True)
+            feeder.join(timeout=5)
+        if feeder_error:
+            raise feeder_error[0]
+
+    def _finish(self, frame: _Frame, order) -> FrameResult:
+        result = FrameResult(frame.index)
+        result.servers = [frame.timings[k] for k in sorted(frame.timings)]
+        if frame.error is not None:
+            result.error = frame.error
+            result.latency = time.perf_counter() - frame.start
+            return result
+        start = time.perf_counter()
+        result.dispatch = start - frame.start - max(t.finish for t in result.servers)
+        crops = []
+        for s in order:
+            c0, c1 = self.slices[(s.start, s.stop)].crop
+            crops.append(frame.pieces[s.start][:, :, c0:c1, :])
+        stitched = np.ascontiguousarray(np.concatenate(crops, axis=2))
+        mid = time.perf_counter()
+        result.output = self.tail.run(None, {self.tail_input: stitched})[0]
+        end = time.perf_counter()
+        result.stitch, result.tail = mid - start, end - mid
+        result.latency = end - frame.start
+        return result
+
+
+@contextlib.contextmanager
+def device_session(*args, **kwargs) -> Iterator[Device]:
+    """``with device_session(cluster, model, h, w, ...) as dev:`` a Device that is set up and closed."""
+    dev = Device(*args, **kwargs)
+    try:
+        dev.setup()
+        yield dev
+    finally:
+        dev.close()

@@ -1,0 +1,99 @@
+"""Shared fixtures. Partition tests: zoo models exported once per session, and ORT runners."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import pytest
+
+
+def _session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2  # CI has two cores
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="session")
+def partition_zoo(tmp_path_factory) -> Callable[[str, int, int], tuple[onnx.ModelProto, str]]:
+    """(model, path of its .onnx file) for a zoo model, exported once per session.
+
+    ResNets have dynamic height and width, so one export serves every size; EfficientNet-Lite0's
+    'SAME' padding depends on the size, so it is exported per size.
+    """
+    from deepco import zoo
+
+    cache: dict[tuple[str, int, int], tuple[onnx.ModelProto, str]] = {}
+    folder = tmp_path_factory.mktemp("partition-zoo")
+
+    def get(name: str, height: int, width: int) -> tuple[onnx.ModelProto, str]:
+        key = (name, height, width) if name == "efficientnet-lite0" else (name, 0, 0)
+        if key not in cache:
+            model = zoo.export(name, height or 224, width or 224)
+            path = folder / f"{name}-{key[1]}x{key[2]}.onnx"
+            onnx.save(model, str(path))
+            cache[key] = (model, str(path))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def partition_ort() -> Callable[[onnx.ModelProto, dict[str, np.ndarray]], list[np.ndarray]]:
+    """Run an ONNX model with ONNX Runtime on named inputs (sessions cached by model identity)."""
+    sessions: dict[int, object] = {}
+    keep: list[onnx.ModelProto] = []  # keep models alive so their ids stay unique
+
+    def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if id(model) not in sessions:
+            keep.append(model)
+            sessions[id(model)] = _session(model)
+        return sessions[id(model)].run(None, feeds)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def partition_sliced_run(partition_ort):
+    """Run a model the partitioned way: head per slice, crop, concatenate, tail; return the tail's outputs."""
+
+    def run(part, cut, boundaries: list[int], image: np.ndarray) -> list[np.ndarray]:
+        head, tail = part.split(cut)
+        c = part.cut(cut)
+        inp = head.graph.input[0].name
+        pieces = []
+        for s in part.slices(c, boundaries):
+            assert s.input_rows[0] % c.stride == 0  # slice starts align to the total stride
+            (y,) = partition_ort(head, {inp: image[:, :, s.input_rows[0] : s.input_rows[1]]})
+            assert 0 <= s.crop[0] < s.crop[1] <= y.shape[2], (s, y.shape)
+            pieces.append(y[:, :, s.crop[0] : s.crop[1]])
+        stitched = np.concatenate(pieces, axis=2)
+        assert stitched.shape[2] == c.height
+        return partition_ort(tail, {tail.graph.input[0].name: stitched})
+
+    return run
+
+
+def partition_rel_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| relative to the output's scale (max |want|)."""
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+@pytest.fixture(scope="session")
+def partition_compare(partition_ort, partition_sliced_run):
+    """Assert that the partitioned run equals ORT on the whole model within 1e-4 of the output's scale."""
+
+    def check(model: onnx.ModelProto, part, cut, boundaries: list[int], image: np.ndarray) -> float:
+        name = part.graph.input_name
+        want = partition_ort(model, {name: image})
+        got = partition_sliced_run(part, cut, boundaries, image)
+        assert len(got) == len(want)
+        err = max(partition_rel_error(g, w) for g, w in zip(got, want, strict=True))
+        assert err <= 1e-4, f"cut {part.cut(cut).name} boundaries {boundaries}: relative error {err:g}"
+        return err
+
+    return check
