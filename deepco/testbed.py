@@ -3,8 +3,10 @@
 Real kernel mechanisms, outside the engine:
 - every server runs in its own network namespace; each antenna is a namespace holding a bridge, joined
   to the device's namespace by a veth pair whose both directions are shaped with `tc tbf`
-  (and an optional netem delay), so all servers on one antenna share its bandwidth, as on a radio link;
-  servers on different antennas reach each other through the device's namespace (forwarding on);
+  (and an optional netem delay), so all servers reached over one antenna share its bandwidth, as on a
+  radio link. Every server hangs off every antenna's bridge, with one address per antenna (the plan,
+  not the wiring, decides which antenna serves which server); server-to-server traffic crosses a bridge
+  unshaped, like a LAN between the servers;
 - every server process runs in a cgroup with a CPU quota (cgroup v1 `cpu.cfs_quota_us` or v2
   `cpu.max`), e.g. 0.45 of one core.
 
@@ -42,10 +44,9 @@ class TestbedError(UserError):
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One emulated server: the antenna it hangs off and its share of one CPU core (None: unlimited)."""
+    """One emulated server: its name and its share of one CPU core (None: unlimited)."""
 
     name: str
-    antenna: int
     cpu: float | None = None
 
 
@@ -62,9 +63,9 @@ class TestbedSpec:
     def __post_init__(self):
         if not self.antenna_mbps or any(b <= 0 for b in self.antenna_mbps):
             raise UserError("testbed: every antenna needs a positive bandwidth")
+        if len(self.servers) > 200:
+            raise UserError("testbed: at most 200 servers")
         for s in self.servers:
-            if not 0 <= s.antenna < len(self.antenna_mbps):
-                raise UserError(f"testbed: server {s.name} is on antenna {s.antenna}, which does not exist")
             if s.cpu is not None and not 0 < s.cpu <= os.cpu_count():
                 raise UserError(f"testbed: server {s.name} has CPU share {s.cpu}, outside (0, {os.cpu_count()}]")
 
@@ -168,11 +169,11 @@ class Testbed:
     def server_ns(self, k: int) -> str:
         return f"{self.prefix}-s{k}"
 
-    def server_host(self, k: int) -> str:
-        """The address the device reaches server k at."""
+    def server_host(self, k: int, antenna: int = 0) -> str:
+        """The address the device reaches server k at over ``antenna``."""
         if not self.kernel:
             return "127.0.0.1"
-        return f"{SUBNET}.{self.spec.servers[k].antenna}.{10 + k}"
+        return f"{SUBNET}.{antenna}.{10 + k}"
 
     @property
     def label(self) -> str:
@@ -263,17 +264,18 @@ class Testbed:
             self._shape(self.device_ns, f"ant{m}", mbps)  # downlink
             self._shape(ns, "uplink", mbps)  # uplink
         for k, server in enumerate(spec.servers):
-            ns, ant = self.server_ns(k), self.antenna_ns(server.antenna)
+            ns = self.server_ns(k)
             _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", f"{p}s{k}", "type", "veth", "peer", "name", f"{p}p{k}")
-            _run("ip", "link", "set", f"{p}s{k}", "netns", ns, "name", "eth0")
-            _run("ip", "link", "set", f"{p}p{k}", "netns", ant, "name", f"s{k}")
-            _run(*ip, ant, "ip", "link", "set", f"s{k}", "master", "br0")
-            _run(*ip, ant, "ip", "link", "set", f"s{k}", "up")
-            _run(*ip, ns, "ip", "addr", "add", f"{self.server_host(k)}/24", "dev", "eth0")
-            for dev in ("eth0", "lo"):
-                _run(*ip, ns, "ip", "link", "set", dev, "up")
-            _run(*ip, ns, "ip", "route", "add", "default", "via", f"{SUBNET}.{server.antenna}.1")
+            _run(*ip, ns, "ip", "link", "set", "lo", "up")
+            for m in range(len(spec.antenna_mbps)):
+                ant = self.antenna_ns(m)
+                _run("ip", "link", "add", f"{p}s{k}", "type", "veth", "peer", "name", f"{p}p{k}")
+                _run("ip", "link", "set", f"{p}s{k}", "netns", ns, "name", f"ant{m}")
+                _run("ip", "link", "set", f"{p}p{k}", "netns", ant, "name", f"s{k}")
+                _run(*ip, ant, "ip", "link", "set", f"s{k}", "master", "br0")
+                _run(*ip, ant, "ip", "link", "set", f"s{k}", "up")
+                _run(*ip, ns, "ip", "addr", "add", f"{self.server_host(k, m)}/24", "dev", f"ant{m}")
+                _run(*ip, ns, "ip", "link", "set", f"ant{m}", "up")
             self._make_cgroup(k, server.cpu)
 
     def _shape(self, ns: str, dev: str, mbps: float) -> None:

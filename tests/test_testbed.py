@@ -36,12 +36,12 @@ SEND = textwrap.dedent("""
 """)
 
 
-def transfer_seconds(tb: Testbed, size: int, servers: list[int]) -> float:
+def transfer_seconds(tb: Testbed, size: int, servers: list[tuple[int, int]]) -> float:
     sinks = [tb.spawn([sys.executable, "-c", SINK, str(size)], server=k, stdout=subprocess.PIPE, text=True)
-             for k in servers]
+             for k, _ in servers]
     for sink in sinks:
         assert sink.stdout.readline().strip() == "ready"
-    out = tb.spawn([sys.executable, "-c", SEND, str(size), *[tb.server_host(k) for k in servers]],
+    out = tb.spawn([sys.executable, "-c", SEND, str(size), *[tb.server_host(k, m) for k, m in servers]],
                    stdout=subprocess.PIPE, text=True)
     seconds = float(out.communicate(timeout=60)[0])
     for sink in sinks:
@@ -51,14 +51,13 @@ def transfer_seconds(tb: Testbed, size: int, servers: list[int]) -> float:
 
 @needs_kernel
 def test_antenna_bandwidth_is_enforced_and_shared_by_its_servers():
-    spec = TestbedSpec(antenna_mbps=(40.0, 40.0),
-                       servers=(ServerSpec("s0", 0), ServerSpec("s1", 0), ServerSpec("s2", 1)))
+    spec = TestbedSpec(antenna_mbps=(40.0, 40.0), servers=(ServerSpec("s0"), ServerSpec("s1")))
     size = 2_000_000  # 16 Mbit: 0.4 s at 40 Mbit/s
     with Testbed(spec) as tb:
         assert tb.kernel and "EMULATED" in tb.label
-        alone = transfer_seconds(tb, size, [0])
-        same_antenna = transfer_seconds(tb, size, [0, 1])
-        two_antennas = transfer_seconds(tb, size, [0, 2])
+        alone = transfer_seconds(tb, size, [(0, 0)])
+        same_antenna = transfer_seconds(tb, size, [(0, 0), (1, 0)])
+        two_antennas = transfer_seconds(tb, size, [(0, 0), (1, 1)])
     assert 0.32 < alone < 0.6
     assert 1.6 < same_antenna / alone < 2.4  # one radio link shared
     assert 0.7 < two_antennas / alone < 1.35  # antennas in parallel
@@ -69,7 +68,7 @@ BUSY = "import os, time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nc =
 
 @needs_kernel
 def test_cpu_quota_limits_a_server_to_its_share_of_a_core():
-    spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("slow", 0, cpu=0.25), ServerSpec("fast", 0)))
+    spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("slow", cpu=0.25), ServerSpec("fast")))
     with Testbed(spec) as tb:
         slow = tb.spawn([sys.executable, "-c", BUSY], server=0, stdout=subprocess.PIPE, text=True)
         cpu_slow = float(slow.communicate(timeout=30)[0])
@@ -82,7 +81,7 @@ def test_cpu_quota_limits_a_server_to_its_share_of_a_core():
 OWNER = textwrap.dedent("""
     import sys, time
     from deepco.testbed import ServerSpec, Testbed, TestbedSpec
-    tb = Testbed(TestbedSpec(antenna_mbps=(10.0, 20.0), servers=(ServerSpec("a", 0, cpu=0.5), ServerSpec("b", 1))))
+    tb = Testbed(TestbedSpec(antenna_mbps=(10.0, 20.0), servers=(ServerSpec("a", cpu=0.5), ServerSpec("b"))))
     tb.__enter__()
     tb.spawn([sys.executable, "-c", "import time; time.sleep(60)"], server=0)
     print(tb.prefix, flush=True)
@@ -114,7 +113,7 @@ def test_nothing_is_left_behind_when_the_owner_is_stopped_or_killed(sig):
 
 @needs_kernel
 def test_nothing_is_left_behind_after_a_normal_run():
-    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", 0, cpu=0.3),))
+    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", cpu=0.3),))
     with Testbed(spec) as tb:
         tb.spawn([sys.executable, "-c", "import time; time.sleep(30)"], server=0)
         prefix = tb.prefix
@@ -123,7 +122,7 @@ def test_nothing_is_left_behind_after_a_normal_run():
 
 
 def test_fallback_says_so_and_runs_on_loopback():
-    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", 0, cpu=0.3),))
+    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", cpu=0.3),))
     with Testbed(spec, force_fallback=True) as tb:
         assert not tb.kernel and "fallback" in tb.label and "app-level pacing" in tb.label
         assert tb.server_host(0) == "127.0.0.1"
@@ -133,7 +132,7 @@ def test_fallback_says_so_and_runs_on_loopback():
 
 
 def test_bad_specs_are_refused_with_a_clear_message():
-    with pytest.raises(UserError, match="antenna 3, which does not exist"):
-        TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", 3),))
+    with pytest.raises(UserError, match="CPU share"):
+        TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", cpu=-1),))
     with pytest.raises(UserError, match="positive bandwidth"):
         TestbedSpec(antenna_mbps=(0.0,), servers=())
