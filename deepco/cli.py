@@ -1,4 +1,8 @@
-"""The `deepco` command line. Each subcommand lives in deepco/commands/<name>.py."""
+"""The `deepco` command line: a thin shell that dispatches each subcommand to its module.
+
+Library commands live in deepco/commands/; the server's and the device's own commands live in those
+packages (server/, device/), so that the core library itself never imports them.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,22 @@ import sys
 
 from deepco.errors import UserError
 
-# subcommand -> module under deepco.commands providing add_arguments(parser) and run(args) -> int
+# subcommand -> (module providing add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
-    "plan": ("plan", "plan a frame's partition over the cluster (THREAD, THREAD-SA, MoDNN, ...)"),
-    "export": ("export", "export a zoo model (or re-check an ONNX file) as one ONNX model"),
-    "partition": ("partition", "slice a CNN exactly at a cut: rows, halo, bytes, FLOPs; save head/tail"),
-    "serve": ("serve", "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
-    "run": ("run", "the device: stream a camera/video/images through the servers with a THREAD plan"),
-    "demo": ("demo", "three local servers, a real photo as a clip, EfficientNet-Lite0, live per-frame results"),
+    "plan": ("deepco.commands.plan",
+             "plan a frame's partition over the cluster (THREAD, THREAD-SA, MoDNN, ...)"),
+    "export": ("deepco.commands.export",
+               "export a zoo model (or re-check an ONNX file) as one ONNX model"),
+    "partition": ("deepco.commands.partition",
+                  "slice a CNN exactly at a cut: rows, halo, bytes, FLOPs; save head/tail"),
+    "serve": ("server.cli",
+              "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
+    "run": ("device.run_command",
+            "the device: stream a camera/video/images through the servers with a THREAD plan"),
+    "bench": ("device.bench_command",
+              "measured latency of THREAD vs MoDNN and baselines on an emulated edge network (tc, cgroups)"),
+    "demo": ("device.demo",
+             "three local servers, a real photo as a clip, EfficientNet-Lite0, live per-frame results"),
 }
 
 
@@ -31,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deepco", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
-        command = importlib.import_module(f"deepco.commands.{module}")
+        command = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=help_text)
         command.add_arguments(p)
         p.set_defaults(_run=command.run)

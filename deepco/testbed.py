@@ -33,7 +33,8 @@ from deepco.errors import UserError
 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
-CPU_PERIOD_US = 100_000
+MIN_CPU_SHARE = 0.1  # the kernel's smallest quota is 1 ms per period
+CPU_PERIOD_US = 10_000  # a short period spreads the quota evenly over a slice's few milliseconds
 SUBNET = "10.213"  # only inside namespaces this module creates
 _SERIAL = itertools.count()
 
@@ -59,15 +60,23 @@ class TestbedSpec:
     antenna_mbps: tuple[float, ...]
     servers: tuple[ServerSpec, ...]
     delay_ms: float = 0.0
+    device_cpu: float | None = None  # the device's own share of a core (a camera is no workstation)
+    peer_mbps: float | None = None  # each server's own link, which server-to-server traffic crosses (None: LAN)
 
     def __post_init__(self):
         if not self.antenna_mbps or any(b <= 0 for b in self.antenna_mbps):
             raise UserError("testbed: every antenna needs a positive bandwidth")
+        if self.peer_mbps is not None and self.peer_mbps <= 0:
+            raise UserError("testbed: the peer bandwidth must be positive")
+        if self.device_cpu is not None and not MIN_CPU_SHARE <= self.device_cpu <= os.cpu_count():
+            raise UserError(f"testbed: device CPU share {self.device_cpu} is outside "
+                            f"[{MIN_CPU_SHARE}, {os.cpu_count()}]")
         if len(self.servers) > 200:
             raise UserError("testbed: at most 200 servers")
         for s in self.servers:
-            if s.cpu is not None and not 0 < s.cpu <= os.cpu_count():
-                raise UserError(f"testbed: server {s.name} has CPU share {s.cpu}, outside (0, {os.cpu_count()}]")
+            if s.cpu is not None and not MIN_CPU_SHARE <= s.cpu <= os.cpu_count():
+                raise UserError(f"testbed: server {s.name} has CPU share {s.cpu}, outside "
+                                f"[{MIN_CPU_SHARE}, {os.cpu_count()}]")
 
 
 def kernel_emulation_available() -> str | None:
@@ -150,6 +159,7 @@ class Testbed:
 
     spec: TestbedSpec
     force_fallback: bool = False
+    defer_cpu_limits: bool = False  # start processes at full speed; apply_cpu_limits() when they are up
     # <= 7 characters, so that prefix + "s123" fits Linux's 15-character interface names
     prefix: str = field(default_factory=lambda: f"dc{(os.getpid() * 8 + next(_SERIAL)) % 0xFFFFF:05x}")
     processes: list[subprocess.Popen] = field(default_factory=list)
@@ -178,11 +188,15 @@ class Testbed:
     @property
     def label(self) -> str:
         """A line for every output: what is emulated, and how."""
-        bw = ", ".join(f"{b:g}" for b in self.spec.antenna_mbps)
-        cpus = ", ".join("-" if s.cpu is None else f"{s.cpu:g}" for s in self.spec.servers)
+        spec = self.spec
+        bw = ", ".join(f"{b:g}" for b in spec.antenna_mbps)
+        cpus = ", ".join("-" if s.cpu is None else f"{s.cpu:g}" for s in spec.servers)
+        device = "unlimited" if spec.device_cpu is None else f"{spec.device_cpu:g} of a core"
+        peers = "unshaped (LAN)" if spec.peer_mbps is None else f"{spec.peer_mbps:g} Mbit/s per server link"
         if self.kernel:
-            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, delay {self.spec.delay_ms:g} ms, "
-                    f"shared per antenna), server CPU shares {cpus} of a core (cgroup quota), network namespaces")
+            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, delay {spec.delay_ms:g} ms, shared per "
+                    f"antenna); server CPU shares {cpus} of a core, device {device} (cgroup quotas); "
+                    f"server-to-server {peers}; network namespaces")
         return (f"EMULATED edge network (fallback, {self.reason}): loopback, antennas {bw} Mbit/s by app-level "
                 f"pacing only, server CPU shares {cpus} approximated by process priority only")
 
@@ -276,7 +290,11 @@ class Testbed:
                 _run(*ip, ant, "ip", "link", "set", f"s{k}", "up")
                 _run(*ip, ns, "ip", "addr", "add", f"{self.server_host(k, m)}/24", "dev", f"ant{m}")
                 _run(*ip, ns, "ip", "link", "set", f"ant{m}", "up")
-            self._make_cgroup(k, server.cpu)
+                if spec.peer_mbps is not None:  # the server's own radio: towards it and from it
+                    self._shape(ant, f"s{k}", spec.peer_mbps)
+                    self._shape(ns, f"ant{m}", spec.peer_mbps)
+            self._make_cgroup(f"s{k}", None if self.defer_cpu_limits else server.cpu)
+        self._make_cgroup("dev", spec.device_cpu)
 
     def _shape(self, ns: str, dev: str, mbps: float) -> None:
         """Token bucket at ``mbps`` on ``dev``'s egress; with a delay, a netem child under it."""
@@ -292,14 +310,20 @@ class Testbed:
             raise TestbedError(f"testbed: cannot emulate a {self.spec.delay_ms:g} ms delay: this kernel has no "
                                f"netem qdisc ({result.stderr.strip()}); run without a delay")
 
-    def _cgroup(self, k: int) -> Path:
+    def apply_cpu_limits(self) -> None:
+        """Set every server's CPU quota (after a deferred start)."""
+        if self.kernel:
+            for k, server in enumerate(self.spec.servers):
+                self._make_cgroup(f"s{k}", server.cpu)
+
+    def _cgroup(self, who: str) -> Path:
         root = cgroup_root()
         assert root is not None
-        return root[1] / f"{self.prefix}-s{k}"
+        return root[1] / f"{self.prefix}-{who}"
 
-    def _make_cgroup(self, k: int, cpu: float | None) -> None:
+    def _make_cgroup(self, who: str, cpu: float | None) -> None:
         version, _ = cgroup_root() or ("", None)
-        group = self._cgroup(k)
+        group = self._cgroup(who)
         group.mkdir(exist_ok=True)
         quota = -1 if cpu is None else max(1000, round(cpu * CPU_PERIOD_US))
         if version == "v1":
@@ -310,7 +334,7 @@ class Testbed:
 
     # -- processes ---------------------------------------------------------------------------------------
     def spawn(self, argv: list[str], *, server: int | None = None, **popen) -> subprocess.Popen:
-        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device namespace.
+        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device's.
 
         In fallback mode it runs here, niced in proportion to the server's CPU share.
         """
@@ -318,13 +342,11 @@ class Testbed:
             cpu = None if server is None else self.spec.servers[server].cpu
             nice = 0 if cpu is None else max(0, min(19, round(10 * (1 - min(cpu, 1.0)))))
             cmd = ["nice", "-n", str(nice), *argv] if nice else list(argv)
-        elif server is None:
-            cmd = ["ip", "netns", "exec", self.device_ns, *argv]
         else:
             # Join the cgroup before exec so that no instruction runs outside the quota.
-            procs = self._cgroup(server) / "cgroup.procs"
-            cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh",
-                   "ip", "netns", "exec", self.server_ns(server), *argv]
+            who, ns = ("dev", self.device_ns) if server is None else (f"s{server}", self.server_ns(server))
+            procs = self._cgroup(who) / "cgroup.procs"
+            cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", "ip", "netns", "exec", ns, *argv]
         proc = subprocess.Popen(cmd, **popen)
         self.processes.append(proc)
         return proc

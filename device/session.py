@@ -183,7 +183,7 @@ class Device:
             c.unload_model(ref_name)
         bandwidths, overhead = self._probe_links()
         self.measured = Measurements(rates, bandwidths, overhead, device_rate, self.pace)
-        plans = {c.name: self._plan_at(c) for c in cuts}
+        plans = {c.name: self._plan_at(c, self.algorithm) for c in cuts}
         self.cut = min(cuts, key=lambda c: (plans[c.name].frame_time, -cuts.index(c)))
         self.plan = plans[self.cut.name]
         if len(cuts) > 1:
@@ -191,6 +191,13 @@ class Device:
             self.log(f"cut: {self.cut.name} (least predicted frame time, ms: {others})")
         self._upload()
         return self.plan
+
+    def plan_for(self, algorithm: str) -> RowPlan:
+        """Another algorithm's plan at the chosen cut, on the same measurements (for side-by-side runs)."""
+        if algorithm not in ALGORITHMS:
+            raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
+        assert self.cut is not None, "setup() first"
+        return self._plan_at(self.cut, algorithm)
 
     def _probe_links(self) -> tuple[list[float], float]:
         antennas = self.cluster.device.antennas
@@ -206,7 +213,7 @@ class Device:
             overheads.append(small)
         return bandwidths, statistics.median(overheads)
 
-    def _plan_at(self, cut: Cut) -> RowPlan:
+    def _plan_at(self, cut: Cut, algorithm: str) -> RowPlan:
         m = self.measured
         assert m is not None
         p = self.partitioner
@@ -218,33 +225,40 @@ class Device:
             s = p.cost(cut, a, b)
             return SliceBill(s.input_bytes, s.flops, s.output_bytes)
 
-        if self.algorithm == "equal":
+        if algorithm == "equal":
             return equal_rows(nodes, m.antenna_bytes_per_second, cut.height, bill, overhead=m.request_overhead,
                               tail_time=tail_time)
         inst = abstract_instance(nodes, m.antenna_bytes_per_second, image_bytes, cut.head_flops,
                                  cut.halo / self.height)
-        abstract = make_plan(inst, self.algorithm)
+        abstract = make_plan(inst, algorithm)
         return size_rows(association(abstract, inst), nodes, m.antenna_bytes_per_second, cut.height, bill,
-                         overhead=m.request_overhead, tail_time=tail_time, algorithm=self.algorithm)
+                         overhead=m.request_overhead, tail_time=tail_time, algorithm=algorithm)
 
     def _upload(self) -> None:
-        assert self.plan is not None and self.cut is not None
+        """The chosen cut's head to every server (any plan may use any of them), its tail here."""
+        assert self.cut is not None
         head, tail = self.partitioner.split(self.cut)
         self.head_name = f"{self.tag}-{self.cut.name}-head"
         self.head_input = head.graph.input[0].name
         data = head.SerializeToString()
-        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
-        for s in self.plan.slices:
-            client = self.client(index[s.name], s.antenna)
+        for k in range(len(self.cluster.servers)):
+            client = self.client(k, 0)
             if self.head_name not in client.loaded_models():
                 client.load_model(data, self.head_name)
         self.tail = _session(tail.SerializeToString())
         self.tail_input = self.tail.get_inputs()[0].name
-        self.slices = {(s.start, s.stop): self.partitioner.cost(self.cut, s.start, s.stop) for s in self.plan.slices}
+        self._costs: dict[tuple[int, int], object] = {}
 
-    def describe_plan(self) -> str:
-        """The plan as a table (with what was measured)."""
-        plan, m, cut = self.plan, self.measured, self.cut
+    def slice_cost(self, start: int, stop: int):
+        """The partitioner's SliceCost of cut rows [start, stop) (cached)."""
+        key = (start, stop)
+        if key not in self._costs:
+            self._costs[key] = self.partitioner.cost(self.cut, start, stop)
+        return self._costs[key]
+
+    def describe_plan(self, plan: RowPlan | None = None) -> str:
+        """A plan (default: setup's) as a table, with what was measured."""
+        plan, m, cut = plan or self.plan, self.measured, self.cut
         assert plan is not None and m is not None and cut is not None
         lines = [f"plan: {plan.algorithm} at cut {cut.name} ({cut.height} rows, halo {cut.halo_top}+"
                  f"{cut.halo_bottom}, stride {cut.stride}); predicted frame {plan.frame_time * 1e3:.1f} ms "
@@ -263,17 +277,21 @@ class Device:
         return "\n".join(lines)
 
     # ---- running --------------------------------------------------------------------------------------
-    def run(self, inputs: Iterable[np.ndarray]) -> Iterator[FrameResult]:
-        """Results of every input (1x3xHxW float32), in order; each either an output or an error."""
-        plan = self.plan
+    def run(self, inputs: Iterable[np.ndarray], plan: RowPlan | None = None,
+            depth: int | None = None) -> Iterator[FrameResult]:
+        """Results of every input (1x3xHxW float32), in order; each either an output or an error.
+
+        ``plan`` defaults to the one setup() made; ``depth`` (frames in flight) to the device's."""
+        plan = plan or self.plan
         assert plan is not None, "setup() first"
+        depth = depth or self.depth
         index = {s.name: k for k, s in enumerate(self.cluster.servers)}
         per_antenna: dict[int, list] = {}
         for s in sorted(plan.slices, key=lambda s: (s.antenna, s.order)):
             per_antenna.setdefault(s.antenna, []).append(s)
         order = sorted(plan.slices, key=lambda s: s.start)
         done: queue.Queue[_Frame] = queue.Queue()
-        slots = threading.Semaphore(self.depth)
+        slots = threading.Semaphore(depth)
         senders: dict[int, queue.Queue] = {m: queue.Queue() for m in per_antenna}
         pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(plan.slices)))
 
@@ -312,7 +330,7 @@ class Device:
                 if frame is None:
                     return
                 for s in per_antenna[m]:
-                    cost = self.slices[(s.start, s.stop)]
+                    cost = self.slice_cost(s.start, s.stop)
                     a, b = cost.input_rows
                     timing = ServerTiming(s.name, m, (s.start, s.stop))
                     sent = time.perf_counter()
@@ -395,7 +413,7 @@ class Device:
         result.dispatch = start - frame.start - max(t.finish for t in result.servers)
         crops = []
         for s in order:
-            c0, c1 = self.slices[(s.start, s.stop)].crop
+            c0, c1 = self.slice_cost(s.start, s.stop).crop
             crops.append(frame.pieces[s.start][:, :, c0:c1, :])
         stitched = np.ascontiguousarray(np.concatenate(crops, axis=2))
         mid = time.perf_counter()

@@ -63,6 +63,21 @@ def test_antenna_bandwidth_is_enforced_and_shared_by_its_servers():
     assert 0.7 < two_antennas / alone < 1.35  # antennas in parallel
 
 
+@needs_kernel
+def test_server_to_server_traffic_crosses_the_peer_links():
+    spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("s0"), ServerSpec("s1")), peer_mbps=20.0)
+    size = 1_000_000  # 8 Mbit: 0.4 s at 20 Mbit/s
+    with Testbed(spec) as tb:
+        sink = tb.spawn([sys.executable, "-c", SINK, str(size)], server=1, stdout=subprocess.PIPE, text=True)
+        assert sink.stdout.readline().strip() == "ready"
+        out = tb.spawn([sys.executable, "-c", SEND, str(size), tb.server_host(1, 0)], server=0,
+                       stdout=subprocess.PIPE, text=True)
+        seconds = float(out.communicate(timeout=60)[0])
+        sink.wait(timeout=10)
+        assert "20 Mbit/s per server link" in tb.label
+    assert 0.33 < seconds < 0.6
+
+
 BUSY = "import os, time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nc = os.times()\nprint(c.user + c.system)"
 
 
@@ -105,7 +120,7 @@ def test_nothing_is_left_behind_when_the_owner_is_stopped_or_killed(sig):
     prefix = owner.stdout.readline().strip()
     assert prefix.startswith("dc")
     made = leftovers(prefix)
-    assert len(made["netns"]) == 5 and len(made["cgroups"]) == 2  # device, 2 antennas, 2 servers
+    assert len(made["netns"]) == 5 and len(made["cgroups"]) == 3  # netns: device, 2 antennas, 2 servers
     os.kill(owner.pid, sig)
     owner.wait(timeout=20)
     assert nothing_left(prefix, within=10) == {"netns": [], "links": [], "cgroups": []}

@@ -84,7 +84,7 @@ def grace_hopper() -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Servers up, clip made, device run, servers down."""
-    from deepco.commands import run as run_command
+    from device import run_command
     from device.sources import make_pan_zoom_clip
 
     if not 1 <= args.servers <= 16:
