@@ -32,6 +32,7 @@ from deepco.errors import UserError
 from deepco.partition import Cut, Partitioner, load_model
 from deepco.planning import make_plan
 from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
+from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
@@ -230,9 +231,14 @@ class Device:
                               tail_time=tail_time)
         inst = abstract_instance(nodes, m.antenna_bytes_per_second, image_bytes, cut.head_flops,
                                  cut.halo / self.height)
-        abstract = make_plan(inst, algorithm)
-        return size_rows(association(abstract, inst), nodes, m.antenna_bytes_per_second, cut.height, bill,
-                         overhead=m.request_overhead, tail_time=tail_time, algorithm=algorithm)
+        candidates = [association(make_plan(inst, algorithm), inst)]
+        if algorithm in ("thread", "thread-sa"):
+            # SSP's loop over the number of servers, judged by the exact cost model instead of eq. (11)/(14)
+            candidates += association_steps(inst, algorithm)
+        plans = [size_rows(groups, nodes, m.antenna_bytes_per_second, cut.height, bill,
+                           overhead=m.request_overhead, tail_time=tail_time, algorithm=algorithm)
+                 for groups in candidates]
+        return min(plans, key=lambda pl: pl.completion_time)
 
     def _upload(self) -> None:
         """The chosen cut's head to every server (any plan may use any of them), its tail here."""

@@ -100,25 +100,59 @@ def thread_sa(inst: Instance) -> Plan:
     return best
 
 
+def greedy_association(inst: Instance) -> tuple[list[int], list[int]]:
+    """THREAD's association: servers strongest first, each to the antenna whose servers merge to the
+    weakest c(G_m) (ties: lowest antenna). Returns (servers in selection order, antenna of each)."""
+    order = inst.by_capacity()
+    growth = [0.0] * len(inst.bandwidths)
+    placed: list[int] = []
+    for i in order:
+        merged = [capacity_from_log_growth(b, g) if g > 0 else 0.0 for b, g in zip(inst.bandwidths, growth,
+                                                                                   strict=True)]
+        m = min(range(len(merged)), key=lambda a: (merged[a], a))
+        growth[m] += math.log1p(inst.capacities[i] / inst.bandwidths[m])
+        placed.append(m)
+    return order, placed
+
+
+def association_steps(inst: Instance, algorithm: str) -> list[list[list[int]]]:
+    """The associations THREAD (or THREAD-SA, on its best antenna) considers, one per number of selected
+    servers t = 1..|V|: ``steps[t-1][m]`` lists antenna m's servers in transfer order. A planner with an
+    exact cost model evaluates each and keeps the best, as SSP does with eq. (11)."""
+    if algorithm == "thread-sa":
+        order = inst.by_capacity()
+        best = min(range(len(inst.bandwidths)), key=lambda m: (-inst.bandwidths[m], m))
+        steps = []
+        for t in range(1, len(order) + 1):
+            groups: list[list[int]] = [[] for _ in inst.bandwidths]
+            groups[best] = order[:t]
+            steps.append(groups)
+        return steps
+    order, placed = greedy_association(inst)
+    steps = []
+    for t in range(1, len(order) + 1):
+        groups = [[] for _ in inst.bandwidths]
+        for i, m in zip(order[:t], placed[:t], strict=True):
+            groups[m].append(i)
+        steps.append(groups)
+    return steps
+
+
 def thread(inst: Instance) -> Plan:
     """THREAD: strongest server first, each to the antenna whose servers merge to the weakest c(G_m)."""
-    order = inst.by_capacity()
+    order, placed = greedy_association(inst)
     antennas = len(inst.bandwidths)
     growth = [0.0] * antennas
-    members: list[list[int]] = [[] for _ in range(antennas)]
-    placed: list[int] = []  # antenna of the t-th selected server
+    members = [0] * antennas
     candidates = []
-    for t, i in enumerate(order, start=1):
-        merged = [capacity_from_log_growth(inst.bandwidths[m], growth[m]) if members[m] else 0.0
-                  for m in range(antennas)]
-        m = min(range(antennas), key=lambda a: (merged[a], a))
+    for t, (i, m) in enumerate(zip(order, placed, strict=True), start=1):
         growth[m] += math.log1p(inst.capacities[i] / inst.bandwidths[m])
-        merged[m] = capacity_from_log_growth(inst.bandwidths[m], growth[m])
-        members[m].append(i)
-        placed.append(m)
+        members[m] += 1
+        merged = [capacity_from_log_growth(inst.bandwidths[a], growth[a]) if members[a] else 0.0
+                  for a in range(antennas)]
         total, ratios = equal_finish_merged(
             inst.data_size, halo_ratio(inst.prefetch_ratio, t),
-            [(inst.bandwidths[a], merged[a], len(members[a])) for a in range(antennas)])
+            [(inst.bandwidths[a], merged[a], members[a]) for a in range(antennas)])
         if all(g >= -RATIO_EPS for g in ratios):
             candidates.append((total, t))
 
