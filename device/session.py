@@ -37,6 +37,15 @@ from deepco.wire.client import InferenceClient, ServerError
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
 PROBE_BYTES = 1 << 20
+PROBE_SECONDS = 0.5  # how often a down server is asked whether it is back
+MIN_DEADLINE = 2.0  # seconds a slice may always take (start-up hiccups, a slow first run)
+DEADLINE_FACTOR = 10.0  # ... or this many times the plan's frame time, if longer
+
+
+def _ready_request():
+    from deepco.wire import inference_pb2
+
+    return inference_pb2.ServerReadyRequest()
 
 
 def _session(model_bytes: bytes, threads: int = 0) -> ort.InferenceSession:
@@ -86,6 +95,7 @@ class ServerTiming:
     compute: float = 0.0  # server side, ONNX Runtime
     back: float = 0.0  # the rest: result serialisation and return transfer
     finish: float = 0.0
+    recovered_from: str | None = None  # these rows were first sent to that server, which failed
 
 
 @dataclass
@@ -107,7 +117,7 @@ class FrameResult:
                 "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
                 "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
                              "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
-                             "finish": s.finish} for s in self.servers]}
+                             "finish": s.finish, "recovered_from": s.recovered_from} for s in self.servers]}
 
 
 @dataclass
@@ -116,6 +126,7 @@ class _Frame:
     x: np.ndarray
     start: float
     remaining: int
+    plan: RowPlan
     pieces: dict[int, np.ndarray] = field(default_factory=dict)
     timings: dict[int, ServerTiming] = field(default_factory=dict)
     error: str | None = None
@@ -136,6 +147,9 @@ class Device:
         self.algorithm, self.cut_spec, self.weights, self.pace, self.depth = algorithm, cut, weights, pace, depth
         self.log = log
         self.clients: dict[tuple[str, int], InferenceClient] = {}
+        self.down: set[str] = set()  # servers marked failed, probed until they answer again
+        self.events: list[dict] = []  # down / up, with times (perf_counter)
+        self._health = threading.RLock()
         self.plan: RowPlan | None = None
         self.cut: Cut | None = None
         self.measured: Measurements | None = None
@@ -214,11 +228,12 @@ class Device:
             overheads.append(small)
         return bandwidths, statistics.median(overheads)
 
-    def _plan_at(self, cut: Cut, algorithm: str) -> RowPlan:
+    def _plan_at(self, cut: Cut, algorithm: str, exclude: set[str] | frozenset = frozenset()) -> RowPlan:
         m = self.measured
         assert m is not None
         p = self.partitioner
-        nodes = [Node(s.name, m.server_flops_per_second[s.name]) for s in self.cluster.servers]
+        nodes = [Node(s.name, m.server_flops_per_second[s.name]) for s in self.cluster.servers
+                 if s.name not in exclude]
         image_bytes = 3 * self.height * self.width * 4
         tail_time = cut.tail_flops / m.device_flops_per_second
 
@@ -246,7 +261,7 @@ class Device:
         head, tail = self.partitioner.split(self.cut)
         self.head_name = f"{self.tag}-{self.cut.name}-head"
         self.head_input = head.graph.input[0].name
-        data = head.SerializeToString()
+        data = self._head_bytes = head.SerializeToString()
         for k in range(len(self.cluster.servers)):
             client = self.client(k, 0)
             if self.head_name not in client.loaded_models():
@@ -283,59 +298,143 @@ class Device:
         return "\n".join(lines)
 
     # ---- running --------------------------------------------------------------------------------------
+    # ---- failures -------------------------------------------------------------------------------------
+    def _live_plan(self, algorithm: str) -> RowPlan:
+        """A plan on the servers not marked down (raises UserError if none is left)."""
+        live = [s.name for s in self.cluster.servers if s.name not in self.down]
+        if not live:
+            raise UserError("no server is left: every server of the cluster is down")
+        return self._plan_at(self.cut, algorithm, exclude=self.down)
+
+    def _mark_down(self, name: str, why: str, algorithm: str) -> None:
+        with self._health:
+            if name in self.down:
+                return
+            self.down.add(name)
+            detected = time.perf_counter()
+            try:
+                self.active_plan = self._live_plan(algorithm)
+                on = ", ".join(sorted({s.name for s in self.active_plan.slices}))
+            except UserError:
+                on = "nothing"
+            self.events.append({"event": "down", "server": name, "at": detected, "why": why,
+                                "replanned_in": time.perf_counter() - detected})
+        self.log(f"server {name} down ({why}); replanned on {on} in "
+                 f"{self.events[-1]['replanned_in'] * 1e3:.1f} ms; its rows of frames in flight are recomputed there")
+
+    def _probe_down(self, algorithm: str, stop: threading.Event) -> None:
+        """Every PROBE_SECONDS, ask each down server if it is ready; bring it back (re-uploading the head)."""
+        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
+        while not stop.wait(PROBE_SECONDS):
+            for name in sorted(self.down):
+                client = self.client(index[name], 0)
+                try:
+                    if not client._call(client.inference.ServerReady, _ready_request(), timeout=1.0).ready:
+                        continue
+                    if self.head_name not in client.loaded_models():
+                        client.load_model(self._head_bytes, self.head_name)
+                except ServerError:
+                    continue
+                with self._health:
+                    self.down.discard(name)
+                    self.active_plan = self._live_plan(algorithm)
+                    self.events.append({"event": "up", "server": name, "at": time.perf_counter()})
+                self.log(f"server {name} is back; replanned on "
+                         f"{', '.join(sorted({s.name for s in self.active_plan.slices}))}")
+
+    def _recover(self, frame: _Frame, s, failed: str) -> tuple[np.ndarray, ServerTiming]:
+        """Compute rows [s.start, s.stop) again on the fastest live server (the frame must not be lost)."""
+        index = {srv.name: k for k, srv in enumerate(self.cluster.servers)}
+        cost = self.slice_cost(s.start, s.stop)
+        a, b = cost.input_rows
+        rates = self.measured.server_flops_per_second
+        for name in sorted((n for n in rates if n not in self.down), key=lambda n: -rates[n]):
+            timing = ServerTiming(name, 0, (s.start, s.stop), recovered_from=failed)
+            sent = time.perf_counter()
+            timing.send_start = sent - frame.start
+            try:
+                handle = self.client(index[name], 0).start_run(
+                    self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])},
+                    timeout=self._deadline(frame.plan) * 2)
+                timing.transfer = time.perf_counter() - sent
+                outputs, compute, queued = handle.result()
+            except ServerError as exc:
+                self._mark_down(name, f"{exc.code.name}: {exc.details}", frame.plan.algorithm)
+                continue
+            self._close_timing(frame, timing, compute, queued)
+            return next(iter(outputs.values())), timing
+        raise UserError(f"rows {s.start}-{s.stop} could not be computed: no live server left")
+
+    def _deadline(self, plan: RowPlan) -> float:
+        """How long a slice may take before its server counts as failed."""
+        return max(MIN_DEADLINE, DEADLINE_FACTOR * plan.frame_time)
+
+    @staticmethod
+    def _close_timing(frame: _Frame, timing: ServerTiming, compute: float, queued: float) -> None:
+        timing.finish = time.perf_counter() - frame.start
+        timing.compute, timing.queue = compute, queued
+        # The "received" event reaches us a little after the server started computing (it shares the
+        # wire and the CPU with the compute), so the transfer is at most what the server's own times leave.
+        total = timing.finish - timing.send_start
+        timing.transfer = min(timing.transfer, total - compute - queued)
+        timing.back = total - timing.transfer - compute - queued
+
+    # ---- running --------------------------------------------------------------------------------------
     def run(self, inputs: Iterable[np.ndarray], plan: RowPlan | None = None,
             depth: int | None = None) -> Iterator[FrameResult]:
         """Results of every input (1x3xHxW float32), in order; each either an output or an error.
 
-        ``plan`` defaults to the one setup() made; ``depth`` (frames in flight) to the device's."""
-        plan = plan or self.plan
-        assert plan is not None, "setup() first"
+        ``plan`` defaults to the one setup() made; ``depth`` (frames in flight) to the device's. A server
+        that errs or misses its deadline is marked down, the frame's rows it had are computed again on a
+        live server, and later frames use a plan without it; a down server is probed and rejoins."""
+        assert self.plan is not None, "setup() first"
+        self.active_plan = plan or self.plan
+        algorithm = self.active_plan.algorithm
         depth = depth or self.depth
         index = {s.name: k for k, s in enumerate(self.cluster.servers)}
-        per_antenna: dict[int, list] = {}
-        for s in sorted(plan.slices, key=lambda s: (s.antenna, s.order)):
-            per_antenna.setdefault(s.antenna, []).append(s)
-        order = sorted(plan.slices, key=lambda s: s.start)
+        antennas = range(len(self.cluster.device.antennas))
         done: queue.Queue[_Frame] = queue.Queue()
         slots = threading.Semaphore(depth)
-        senders: dict[int, queue.Queue] = {m: queue.Queue() for m in per_antenna}
-        pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(plan.slices)))
+        senders: dict[int, queue.Queue] = {m: queue.Queue() for m in antennas}
+        pool = ThreadPoolExecutor(max_workers=4 + 2 * len(self.cluster.servers))
+        stop = threading.Event()
 
-        def fail(frame: _Frame, message: str) -> None:
+        def settle(frame: _Frame, s, piece: np.ndarray | None, timing: ServerTiming | None, error: str | None):
             with frame.lock:
-                frame.error = frame.error or message
+                if error is not None:
+                    frame.error = frame.error or error
+                else:
+                    frame.pieces[s.start] = piece
+                    frame.timings[s.start] = timing
                 frame.remaining -= 1
                 last = frame.remaining == 0
             if last:
                 done.put(frame)
+
+        def failed(frame: _Frame, s, exc: ServerError) -> None:
+            self._mark_down(s.name, f"{exc.code.name}: {exc.details}", algorithm)
+            try:
+                piece, timing = self._recover(frame, s, s.name)
+            except UserError as err:
+                settle(frame, s, None, None, str(err))
+                return
+            settle(frame, s, piece, timing, None)
 
         def collect(frame: _Frame, s, handle, timing: ServerTiming) -> None:
             try:
                 outputs, compute, queued = handle.result()
             except ServerError as exc:
-                fail(frame, str(exc))
+                failed(frame, s, exc)
                 return
-            timing.finish = time.perf_counter() - frame.start
-            timing.compute, timing.queue = compute, queued
-            # The "received" event reaches us a little after the server started computing (it shares the
-            # wire and the CPU with the compute), so the transfer is at most what the server's own times leave.
-            total = timing.finish - timing.send_start
-            timing.transfer = min(timing.transfer, total - compute - queued)
-            timing.back = total - timing.transfer - compute - queued
-            with frame.lock:
-                frame.pieces[s.start] = next(iter(outputs.values()))
-                frame.timings[s.start] = timing
-                frame.remaining -= 1
-                last = frame.remaining == 0
-            if last:
-                done.put(frame)
+            self._close_timing(frame, timing, compute, queued)
+            settle(frame, s, next(iter(outputs.values())), timing, None)
 
         def sender(m: int) -> None:
             while True:
                 frame = senders[m].get()
                 if frame is None:
                     return
-                for s in per_antenna[m]:
+                for s in sorted((s for s in frame.plan.slices if s.antenna == m), key=lambda s: s.order):
                     cost = self.slice_cost(s.start, s.stop)
                     a, b = cost.input_rows
                     timing = ServerTiming(s.name, m, (s.start, s.stop))
@@ -343,9 +442,10 @@ class Device:
                     timing.send_start = sent - frame.start
                     try:
                         handle = self.client(index[s.name], m).start_run(
-                            self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])})
+                            self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])},
+                            timeout=self._deadline(frame.plan))
                     except ServerError as exc:
-                        fail(frame, str(exc))
+                        pool.submit(failed, frame, s, exc)
                         continue
                     if self.pace:  # hold the antenna for as long as these bytes take at its bandwidth
                         bandwidth = self.measured.antenna_bytes_per_second[m]
@@ -355,9 +455,9 @@ class Device:
                     timing.transfer = time.perf_counter() - sent
                     pool.submit(collect, frame, s, handle, timing)
 
-        threads = [threading.Thread(target=sender, args=(m,), daemon=True) for m in per_antenna]
-        for t in threads:
-            t.start()
+        for m in antennas:
+            threading.Thread(target=sender, args=(m,), daemon=True).start()
+        threading.Thread(target=self._probe_down, args=(algorithm, stop), daemon=True).start()
         feeder_error: list[BaseException] = []
         fed: list[int] = []
         finished: queue.Queue[FrameResult | None] = queue.Queue()
@@ -367,9 +467,11 @@ class Device:
             try:
                 for x in inputs:
                     slots.acquire()
-                    frame = _Frame(count, x, time.perf_counter(), len(plan.slices))
+                    with self._health:
+                        current = self.active_plan
+                    frame = _Frame(count, x, time.perf_counter(), len(current.slices), current)
                     count += 1
-                    for m in per_antenna:
+                    for m in antennas:
                         senders[m].put(frame)
             except BaseException as exc:  # a source error ends the run after the frames already in
                 feeder_error.append(exc)
@@ -382,7 +484,7 @@ class Device:
                 frame = done.get()
                 if frame is None:
                     return
-                result = self._finish(frame, order)
+                result = self._finish(frame, sorted(frame.plan.slices, key=lambda s: s.start))
                 slots.release()
                 finished.put(result)
 
@@ -400,7 +502,8 @@ class Device:
                     yield pending.pop(next_index)
                     next_index += 1
         finally:
-            for m in per_antenna:
+            stop.set()
+            for m in antennas:
                 senders[m].put(None)
             done.put(None)  # type: ignore[arg-type]
             pool.shutdown(wait=True)
