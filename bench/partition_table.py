@@ -1,6 +1,6 @@
 """Exact halo vs the paper's r_o, and redundant FLOPs, per cut of the zoo models.
 
-Run:  .venv/bin/python bench/partition_table.py [--out bench/results-partition.md] [--no-verify]
+Run:  .venv/bin/python bench/partition_table.py [--out bench/results/partition.md] [--no-verify]
 
 For every zoo model at 224x224 and 720x1280 and each stage-level cut it prints the total stride, the
 exact halo of an interior slice (top + bottom input rows), the exact prefetch ratio r_o = halo / H
@@ -80,7 +80,7 @@ def verify(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results-partition.md")
+    ap.add_argument("--out", default="bench/results/partition.md")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--timing", action="store_true", help="also time whole vs sliced runs (quiet machine!)")
     ap.add_argument("--models", default=",".join(zoo.MODELS))
