@@ -14,6 +14,7 @@ flight, so frame k+1's transfers overlap frame k's computation.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import re
@@ -40,6 +41,8 @@ PROBE_BYTES = 1 << 20
 PROBE_SECONDS = 0.5  # how often a down server is asked whether it is back
 MIN_DEADLINE = 2.0  # seconds a slice may always take (start-up hiccups, a slow first run)
 DEADLINE_FACTOR = 10.0  # ... or this many times the plan's frame time, if longer
+DRIFT_THRESHOLD = 0.5  # replan when a server or link is this much (50%) off the plan ...
+DRIFT_SAMPLES = 5  # ... for this many slices in a row, all in the same direction
 
 
 def _ready_request():
@@ -150,6 +153,8 @@ class Device:
         self.down: set[str] = set()  # servers marked failed, probed until they answer again
         self.events: list[dict] = []  # down / up, with times (perf_counter)
         self._health = threading.RLock()
+        self.drift_threshold = DRIFT_THRESHOLD
+        self._drift: dict[str, collections.deque] = {}
         self.plan: RowPlan | None = None
         self.cut: Cut | None = None
         self.measured: Measurements | None = None
@@ -365,6 +370,40 @@ class Device:
             return next(iter(outputs.values())), timing
         raise UserError(f"rows {s.start}-{s.stop} could not be computed: no live server left")
 
+    def _watch_drift(self, s, timing: ServerTiming, algorithm: str) -> None:
+        """Online re-profiling: a server computing, or an antenna sending, persistently off the plan by more
+        than ``drift_threshold`` gets its measured speed rescaled by what was seen, and the device replans."""
+        if self.drift_threshold <= 0 or s.compute_time <= 0:
+            return
+        plan_tx = s.transfer_time + self.measured.request_overhead
+        samples = {f"server {s.name}": timing.compute / s.compute_time}
+        if not self.pace and plan_tx > 1e-3:  # paced links are exact by construction
+            samples[f"antenna {s.antenna}"] = timing.transfer / plan_tx
+        changed = []
+        with self._health:
+            for key, ratio in samples.items():
+                window = self._drift.setdefault(key, collections.deque(maxlen=DRIFT_SAMPLES))
+                window.append(ratio)
+                if len(window) < DRIFT_SAMPLES:
+                    continue
+                high = all(r > 1 + self.drift_threshold for r in window)
+                low = all(r < 1 / (1 + self.drift_threshold) for r in window)
+                if not (high or low):
+                    continue
+                factor = statistics.median(window)
+                if key.startswith("server"):
+                    self.measured.server_flops_per_second[s.name] /= factor
+                else:
+                    self.measured.antenna_bytes_per_second[s.antenna] /= factor
+                window.clear()
+                changed.append(f"{key} at {factor:.2f}x the planned time")
+            if changed:
+                self.active_plan = self._live_plan(algorithm)
+                self.events.append({"event": "drift", "what": changed, "at": time.perf_counter()})
+        if changed:
+            self.log(f"drift: {'; '.join(changed)}: re-profiled and replanned on "
+                     f"{', '.join(sorted({x.name for x in self.active_plan.slices}))}")
+
     def _deadline(self, plan: RowPlan) -> float:
         """How long a slice may take before its server counts as failed."""
         return max(MIN_DEADLINE, DEADLINE_FACTOR * plan.frame_time)
@@ -428,6 +467,7 @@ class Device:
                 return
             self._close_timing(frame, timing, compute, queued)
             settle(frame, s, next(iter(outputs.values())), timing, None)
+            self._watch_drift(s, timing, algorithm)
 
         def sender(m: int) -> None:
             while True:
