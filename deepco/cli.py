@@ -20,6 +20,8 @@ COMMANDS = {
                "export a zoo model (or re-check an ONNX file) as one ONNX model"),
     "partition": ("deepco.commands.partition",
                   "slice a CNN exactly at a cut: rows, halo, bytes, FLOPs; save head/tail"),
+    "schedule": ("deepco.commands.schedule",
+                 "simulate training-job schedulers (online-batch, preemptive, baselines) on a trace"),
     "serve": ("server.cli",
               "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
     "run": ("device.run_command",

@@ -1,0 +1,167 @@
+"""`deepco schedule`: simulate training-job schedulers on a cluster and a workload (trace or synthetic).
+
+The workload is a real trace (``--format alibaba|gavel|tiresias``, detected from the file when omitted) or
+synthetic (``--format synthetic``, the default when ``--trace`` is omitted), in which case ``--trace`` may
+name the seed whose ranges to use, ``she`` (default) or ``wang``, and ``--horizon`` sets the arrival span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+from deepco.cluster import load_cluster
+from deepco.errors import UserError
+from deepco.scheduling import POLICIES, SimCluster, SimResult, Simulator, bind_delays, make_policy
+from deepco.scheduling.jobs import Job
+from deepco.scheduling.policies.baselines import GANGS
+from deepco.scheduling.synthetic import PRESETS, synthetic_jobs
+from deepco.scheduling.topology import usable
+from deepco.scheduling.traces import FORMATS, TraceError, load_trace
+
+ALL = "all"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `deepco schedule`."""
+    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file (sites, slots, cloud)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="trace file; with --format synthetic: omitted, or 'she'/'wang' for the seed's ranges")
+    p.add_argument("--format", choices=[*FORMATS, "synthetic"], help="trace format (default: detected)")
+    p.add_argument("--jobs", type=int, metavar="N", help="first N jobs by arrival (synthetic: default 100)")
+    p.add_argument("--policy", default=ALL, choices=[*POLICIES, ALL], help="policy to run (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed for filled-in job parameters and delays")
+    p.add_argument("--horizon", type=int, default=100,
+                   help="synthetic: jobs arrive in [1, horizon / 1.5] slots (default 100)")
+    p.add_argument("--slot-seconds", type=float, default=3600.0,
+                   help="trace seconds per slot (default 3600: one hour, as in the seeds)")
+    p.add_argument("--gang", choices=GANGS, default="demand",
+                   help="gang of the job-level baselines: the trace's GPU demand (default) or all D_j chunks")
+    p.add_argument("--json", metavar="FILE", help="write {\"results\": [...]} to FILE")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG: average JCT per policy and the JCT CDF")
+
+
+def detect_format(path: Path) -> str:
+    """alibaba / gavel / tiresias from the file's first line; a TraceError if it matches none."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: cannot read: {exc}") from None
+    if "\t" in first:
+        return "gavel"
+    header = {h.strip() for h in first.split(",")}
+    if "pod_phase" in header:
+        return "alibaba"
+    if "submit_time" in header:
+        return "tiresias"
+    raise TraceError(f"{path}:1: cannot tell the trace format from the first line; give --format")
+
+
+def load_jobs(args: argparse.Namespace, cluster: SimCluster) -> list[Job]:
+    """The workload the flags describe."""
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
+    fmt = args.format or ("synthetic" if args.trace is None or args.trace in PRESETS else None)
+    if fmt == "synthetic":
+        preset = args.trace or "she"
+        if preset not in PRESETS:
+            raise UserError(f"--format synthetic: --trace must be omitted or one of {', '.join(PRESETS)}, "
+                            f"got {preset!r}")
+        if args.horizon < 2:
+            raise UserError(f"--horizon must be >= 2, got {args.horizon}")
+        edge = cluster.edge
+        wtypes = sorted({s.worker_type for s in edge if s.worker_type is not None})
+        ptypes = sorted({s.ps_type for s in edge if s.ps_type is not None})
+        return synthetic_jobs(args.jobs or 100, seed=args.seed, preset=preset, horizon=args.horizon,
+                              worker_types=wtypes, ps_types=ptypes)
+    if args.trace is None:
+        raise UserError(f"--format {fmt}: give the trace file with --trace")
+    path = Path(args.trace)
+    fmt = fmt or detect_format(path)
+    return load_trace(path, fmt, seed=args.seed, jobs=args.jobs, slot_seconds=args.slot_seconds)
+
+
+def format_table(results: list[SimResult], seconds: list[float]) -> str:
+    """One row per policy; JCT rate is total JCT over SRTF's (the papers' figures), else over the first."""
+    base = next((r for r in results if r.policy == "srtf"), results[0])
+    head = (f"{'policy':<16} {'jobs':>6} {'avg JCT':>10} {'JCT rate':>9} {'makespan':>9} {'preempt':>8} "
+            f"{'util':>6} {'cloud':>6} {'wall s':>7}")
+    lines = [f"JCT rate = total JCT / total JCT of {base.policy}; times in slots", head, "-" * len(head)]
+    for r, s in zip(results, seconds, strict=True):
+        rate = r.total_jct / base.total_jct if base.total_jct else float("nan")
+        cloud = sum(1 for j in r.jobs if j.cloud)
+        lines.append(f"{r.policy:<16} {len(r.jobs):>6} {r.avg_jct:>10.2f} {rate:>9.3f} {r.makespan:>9} "
+                     f"{r.preemptions:>8} {r.utilization:>6.2f} {cloud:>6} {s:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[SimResult], path: str) -> None:
+    """Average JCT per policy and the CDF of JCT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar([r.policy for r in results], [r.avg_jct for r in results], color="tab:blue")
+    ax1.set_ylabel("average JCT (slots)")
+    ax1.tick_params(axis="x", rotation=45)
+    for r in results:
+        jct = np.sort([j.jct for j in r.jobs])
+        ax2.step(jct, np.arange(1, len(jct) + 1) / len(jct), where="post", label=r.policy)
+    ax2.set_xscale("symlog")
+    ax2.set_xlabel("JCT (slots)")
+    ax2.set_ylabel("fraction of jobs")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write the plot: {exc.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, simulate every requested policy on the same jobs, print, and write JSON/plot."""
+    cluster = SimCluster.from_cluster(load_cluster(args.cluster))
+    jobs = load_jobs(args, cluster)
+    bind_delays(jobs, cluster, seed=args.seed)
+    names = list(POLICIES) if args.policy == ALL else [args.policy]
+    for name in names:
+        edge_only = name == "preemptive-edge"
+        bad = [j for j in jobs if not usable(j, cluster, edge_only=edge_only)]
+        if bad:
+            raise UserError(f"{args.cluster}: job {bad[0].id} ({bad[0].name}) has no "
+                            f"{'edge ' if edge_only else ''}server with a worker slot of type "
+                            f"{bad[0].worker_type} and a PS slot of type {bad[0].ps_type} (policy {name})")
+    from tqdm import tqdm
+
+    results, seconds = [], []
+    show = len(jobs) * len(names) >= 2000 and sys.stderr.isatty()
+    with tqdm(total=len(jobs) * len(names), unit="job", disable=not show, desc="simulating") as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            t0 = time.perf_counter()
+            policy = make_policy(name, args.seed, args.gang)
+            result = Simulator(cluster, copy.deepcopy(jobs), policy, progress=bar).run()
+            seconds.append(time.perf_counter() - t0)
+            results.append(result)
+    print(format_table(results, seconds))
+    if args.json:
+        rows = [{**r.to_dict(), "wall_seconds": s} for r, s in zip(results, seconds, strict=True)]
+        try:
+            Path(args.json).write_text(json.dumps({"results": rows}, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"{args.json}: cannot write: {exc.strerror}") from None
+    if args.plot:
+        plot(results, args.plot)
+    return 0
