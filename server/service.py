@@ -20,6 +20,7 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
+from server.modnn import ModnnService, parse_request
 
 log = logging.getLogger("deepco.serve")
 
@@ -188,6 +189,9 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
 
     def __init__(self, state: ServerState):
         self.state = state
+        # MoDNN jobs block worker threads while they wait for peers: give them the pool (--max-inflight
+        # + server.app.CONTROL_THREADS = 4) less two, kept for health checks and control requests.
+        self.modnn = ModnnService(state, threads=state.admission.limit + 2)
 
     @_statuses
     def Profile(self, request: dpb.ProfileRequest, context: grpc.ServicerContext) -> dpb.ProfileResponse:
@@ -226,3 +230,25 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         if request.reply_bytes > ECHO_MAX_REPLY:
             raise invalid(f"Echo: reply_bytes must be <= {ECHO_MAX_REPLY}, got {request.reply_bytes}")
         return dpb.EchoResponse(payload=bytes(request.reply_bytes))
+
+    def ModnnRun(self, request: dpb.ModnnRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
+        """MoDNN: this server's band of a frame, level by level with direct peer exchanges (server/modnn.py)."""
+        with _answering("ModnnRun", context):
+            if self.state.draining.is_set():
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            job = parse_request(request, self.state.registry)
+            self.modnn.mailboxes.claim(job.id, job.threads)
+        try:
+            yield dpb.RunEvent(received=dpb.RunReceived())
+            with _answering("ModnnRun", context):
+                result = self.modnn.run(job, context)
+            yield dpb.RunEvent(modnn_result=result)
+        finally:
+            self.modnn.mailboxes.drop(job.id)
+
+    def ModnnExchange(self, request_iterator: Iterator[dpb.RowsMessage],
+                      context: grpc.ServicerContext) -> dpb.ExchangeAck:
+        """MoDNN, server to server: a peer's boundary rows for the jobs running (or about to run) here."""
+        with _answering("ModnnExchange", context):
+            return self.modnn.exchange(request_iterator)
+        raise AssertionError("unreachable: context.abort raises")

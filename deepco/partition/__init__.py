@@ -3,6 +3,7 @@
 from deepco.partition.choose import Choice, choose_cut
 from deepco.partition.graph import PartitionError, Stop
 from deepco.partition.partitioner import Cut, Partitioner, SliceCost
+from deepco.partition.segments import Segment, Window
 from deepco.partition.source import load_model, load_onnx, model_flops
 
 __all__ = [
@@ -10,8 +11,10 @@ __all__ = [
     "Cut",
     "PartitionError",
     "Partitioner",
+    "Segment",
     "SliceCost",
     "Stop",
+    "Window",
     "choose_cut",
     "load_model",
     "load_onnx",

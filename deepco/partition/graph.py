@@ -312,13 +312,15 @@ class RowGraph:
                 need[name] = (rlo, rhi)
         return need
 
-    def forward(self, head: list[int], start: int, stop: int) -> dict[str, Rows]:
+    def forward(self, head: list[int], start: int, stop: int, source: str | None = None) -> dict[str, Rows]:
         """Simulate running the head on image rows [start, stop): each tensor's rows and its exact part.
 
         A row is exact when every row it reads is an exact row, or lies outside the slice on a side
         where the slice border is the image border (the head's zero padding is then the model's own).
+        ``source`` (default: the image) is the tensor the nodes of ``head`` start from, for a segment
+        between two cuts whose input rows [start, stop) of that tensor are all exact.
         """
-        rows = {self.input_name: Rows(start, stop - start, start, stop)}
+        rows = {source or self.input_name: Rows(start, stop - start, start, stop)}
         for i in head:
             ins = [rows[n] for n in self.spatial_inputs(i)]
             win = self.rules[i].rows

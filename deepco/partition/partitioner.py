@@ -20,6 +20,7 @@ from onnx import shape_inference
 from deepco.partition.flops import node_flops
 from deepco.partition.graph import PartitionError, RowGraph, Stop
 from deepco.partition.ops import ELEMENTWISE
+from deepco.partition.segments import Segment, make_segments
 
 Interval = tuple[int, int]
 
@@ -111,6 +112,7 @@ class Partitioner:
     >>> p.slices("layer2", [0, 10, 28])     # per-slice rows, crop, bytes, FLOPs
     >>> p.cost("layer2", 0, 10)             # one slice: output rows [0, 10) at the cut
     >>> head, tail = p.split("layer2")      # ONNX models: head on any slice, tail on the stitched cut
+    >>> p.segments("layer2")                # the head cut at every cut before it (MoDNN's levels)
     """
 
     def __init__(self, model: onnx.ModelProto, height: int, width: int):
@@ -307,6 +309,11 @@ class Partitioner:
         model = shape_inference.infer_shapes(model, strict_mode=True)
         onnx.checker.check_model(model, full_check=True)
         return model
+
+    def segments(self, cut: str | Cut, models: bool = True) -> list[Segment]:
+        """The head of ``cut`` as consecutive segments between the cuts before it (MoDNN's levels; see
+        deepco.partition.segments): segment j maps level j-1 to level j, level 0 being the image."""
+        return make_segments(self, cut, models=models)
 
     def tail_flops(self, cut: str | Cut) -> int:
         """FLOPs of everything after ``cut`` (run once, on the stitched cut tensor)."""

@@ -50,6 +50,16 @@ class DeepcoServiceStub:
                 request_serializer=deepco__service__pb2.EchoRequest.SerializeToString,
                 response_deserializer=deepco__service__pb2.EchoResponse.FromString,
                 _registered_method=True)
+        self.ModnnRun = channel.unary_stream(
+                '/deepco.DeepcoService/ModnnRun',
+                request_serializer=deepco__service__pb2.ModnnRequest.SerializeToString,
+                response_deserializer=deepco__service__pb2.RunEvent.FromString,
+                _registered_method=True)
+        self.ModnnExchange = channel.stream_unary(
+                '/deepco.DeepcoService/ModnnExchange',
+                request_serializer=deepco__service__pb2.RowsMessage.SerializeToString,
+                response_deserializer=deepco__service__pb2.ExchangeAck.FromString,
+                _registered_method=True)
 
 
 class DeepcoServiceServicer:
@@ -79,6 +89,24 @@ class DeepcoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModnnRun(self, request, context):
+        """MoDNN (the baseline DeepCo is compared with): run this server's disjoint band of a frame level by level
+        (segment models loaded beforehand with RepositoryModelLoad), exchanging boundary rows with the other
+        servers directly (ModnnExchange) before each segment. Events: `received` once the request has arrived,
+        then `modnn_result` with the server's band of the last level.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModnnExchange(self, request_iterator, context):
+        """Server to server: one stream per MoDNN job from a server to each server it feeds, one message per level
+        with the rows that server needs from the sender's band; answered once the stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeepcoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +124,16 @@ def add_DeepcoServiceServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=deepco__service__pb2.EchoRequest.FromString,
                     response_serializer=deepco__service__pb2.EchoResponse.SerializeToString,
+            ),
+            'ModnnRun': grpc.unary_stream_rpc_method_handler(
+                    servicer.ModnnRun,
+                    request_deserializer=deepco__service__pb2.ModnnRequest.FromString,
+                    response_serializer=deepco__service__pb2.RunEvent.SerializeToString,
+            ),
+            'ModnnExchange': grpc.stream_unary_rpc_method_handler(
+                    servicer.ModnnExchange,
+                    request_deserializer=deepco__service__pb2.RowsMessage.FromString,
+                    response_serializer=deepco__service__pb2.ExchangeAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +217,60 @@ class DeepcoService:
             '/deepco.DeepcoService/Echo',
             deepco__service__pb2.EchoRequest.SerializeToString,
             deepco__service__pb2.EchoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModnnRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deepco.DeepcoService/ModnnRun',
+            deepco__service__pb2.ModnnRequest.SerializeToString,
+            deepco__service__pb2.RunEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModnnExchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/deepco.DeepcoService/ModnnExchange',
+            deepco__service__pb2.RowsMessage.SerializeToString,
+            deepco__service__pb2.ExchangeAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,154 @@
+"""A head cut into segments at every cut before it: the layer-by-layer view that MoDNN runs.
+
+MoDNN (Mao et al., DATE'17) gives each server a disjoint band of rows and, before each layer, lets the
+servers exchange the boundary rows a neighbour's band needs. DeepCo's row analysis is exact only between
+*cuts* (tensors that carry all rows): inside a residual block two tensors are live at once (the branch and
+the shortcut), so a band of one of them alone is not enough to go on. The segments are therefore the
+stretches between consecutive cuts: level 0 is the image, levels 1..n are the cut tensors in topological
+order up to the chosen cut, and segment j maps level j-1 to level j. For a ResNet the cuts are the stem's
+Relu, the max-pool and every residual block's output, so the servers synchronise once per block, not once
+per convolution: fewer exchanges than the per-layer original, which favours MoDNN in a comparison.
+
+For owned rows [a, b) of level j, `Segment.window(a, b)` gives the rows [lo, hi) of level j-1 to run the
+segment on (the exact backward need, its start aligned down to the segment's stride) and where rows
+[a, b) sit in the segment's output (the crop), checked exact by a forward simulation as `Partitioner.cost`
+checks whole heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import onnx
+
+from deepco.partition.graph import PartitionError
+
+if TYPE_CHECKING:
+    from deepco.partition.partitioner import Cut, Partitioner
+
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Segment j on rows ``input_rows`` of level j-1 yields ``output_rows`` of level j at ``crop`` of its output."""
+
+    output_rows: Interval
+    input_rows: Interval
+    crop: Interval
+    input_bytes: int
+    output_bytes: int
+    flops: int
+
+
+@dataclass
+class Segment:
+    """Segment ``index`` (1-based): the nodes between level ``index``-1 (tensor ``source``) and level ``index``.
+
+    ``in_height``/``height`` are the rows of its input and output level at the partitioner's image size;
+    ``model`` (from `Partitioner.segments(..., models=True)`) runs on any height and width.
+    """
+
+    index: int
+    name: str
+    source: str
+    target: str
+    in_height: int
+    height: int
+    in_row_bytes: int
+    row_bytes: int
+    stride: int
+    nodes: list[int] = field(repr=False)
+    partitioner: Partitioner = field(repr=False)
+    model: onnx.ModelProto | None = field(default=None, repr=False)
+
+    def needed(self, a: int, b: int) -> Interval:
+        """Rows [lo, hi) of level index-1 to run the segment on for its output rows [a, b) (lo aligned)."""
+        return self.window(a, b).input_rows
+
+    def crop(self, a: int, b: int) -> Interval:
+        """Where output rows [a, b) sit in the segment's output when it runs on `needed(a, b)`."""
+        return self.window(a, b).crop
+
+    def window(self, a: int, b: int) -> Window:
+        """Rows, crop, bytes and FLOPs of the segment run that yields output rows [a, b) (checked exact)."""
+        if not 0 <= a < b <= self.height:
+            raise PartitionError(
+                f"output rows [{a}, {b}) are not a non-empty part of [0, {self.height}) at segment {self.name!r}"
+            )
+        p = self.partitioner
+        g = p.graph
+        lo, hi = g.backward(self.nodes, self.target, a, b)[self.source]
+        start = lo - lo % self.stride
+        rows = g.forward(self.nodes, start, hi, source=self.source)
+        out = rows[self.target]
+        if not (out.valid_lo <= a and b <= out.valid_hi):
+            raise PartitionError(
+                f"internal: rows [{start}, {hi}) of {self.source!r} do not give rows [{a}, {b}) of segment "
+                f"{self.name!r} exactly (exact rows [{out.valid_lo}, {out.valid_hi}))"
+            )
+        flops = 0
+        for i in self.nodes:
+            tensor = g.nodes[i].output[0]
+            flops += p._flops[i] * rows[tensor].size // g.hw[tensor][0]
+        return Window(output_rows=(a, b), input_rows=(start, hi), crop=(a - out.offset, b - out.offset),
+                      input_bytes=(hi - start) * self.in_row_bytes, output_bytes=(b - a) * self.row_bytes,
+                      flops=flops)
+
+
+def _row_bytes(p: Partitioner, tensor: str) -> int:
+    g = p.graph
+    if tensor == g.input_name:
+        return g.channels * p.width * g.itemsize
+    shape = g.shapes.get(tensor)
+    if not shape or len(shape) != 4:
+        raise PartitionError(f"tensor {tensor!r} has no static 4-d shape")
+    return shape[1] * shape[3] * g.itemsize
+
+
+def make_segments(p: Partitioner, cut: str | Cut, models: bool = False) -> list[Segment]:
+    """The segments of the head of ``cut``: one per listed cut up to and including it (see the module doc)."""
+    c = p.cut(cut)
+    g = p.graph
+    position = g.producer[c.tensor]
+    tensors = [x.tensor for x in p.cuts if g.producer[x.tensor] < position] + [c.tensor]
+    names = [x.name for x in p.cuts if g.producer[x.tensor] < position] + [c.name]
+    levels = [g.input_name, *tensors]
+    extractor = None
+    if models:
+        extractor = onnx.utils.Extractor(p._with_input_dims(("height", "width")))
+    out: list[Segment] = []
+    done: set[int] = set()
+    for j in range(1, len(levels)):
+        source, target = levels[j - 1], levels[j]
+        head = p._heads[target]
+        if not done <= set(head):
+            raise PartitionError(f"internal: cut {names[j - 1]!r} does not lie on every path to the image")
+        nodes = [i for i in head if i not in done]
+        done |= set(nodes)
+        for i in nodes:  # a segment reads only its source level (and its own tensors): cuts guarantee it
+            for name in g.spatial_inputs(i):
+                if name != source and g.producer.get(name) not in nodes:
+                    raise PartitionError(f"internal: segment {names[j - 1]!r} reads {name!r} from before its level")
+        align = 1
+        for i in nodes:
+            first = g.spatial_inputs(i)[0]
+            ratio, rest = divmod(g.stride[first], g.stride[source])
+            if rest:
+                raise PartitionError(f"internal: stride of {first!r} is not a multiple of {source!r}'s")
+            align = math.lcm(align, ratio * g.rules[i].rows.stride)
+        model = None
+        if extractor is not None:
+            model = extractor.extract_model([source], [target])
+            for vi, params in ((model.graph.input[0], ("height", "width")),
+                               (model.graph.output[0], ("out_height", "out_width"))):
+                for d, param in zip(vi.type.tensor_type.shape.dim[2:], params, strict=False):
+                    d.Clear()
+                    d.dim_param = param
+            model = p._finish(model, f"{names[j - 1]}-segment")
+        out.append(Segment(index=j, name=names[j - 1], source=source, target=target, in_height=g.hw[source][0],
+                           height=g.hw[target][0], in_row_bytes=_row_bytes(p, source),
+                           row_bytes=_row_bytes(p, target), stride=align, nodes=nodes, partitioner=p, model=model))
+    return out

@@ -1,0 +1,401 @@
+"""MoDNN on the server: run a disjoint band level by level, exchanging boundary rows with the peers directly.
+
+A job (one frame) arrives as DeepcoService.ModnnRun with this server's band of the image and the row
+tables of every level (see deepco.planning.modnn). For each segment j the server
+  1. sends each peer the rows of level j-1 that peer's window needs from this server's band, on one
+     ModnnExchange client stream per (job, peer): server to server, nothing relayed by the device;
+  2. waits (bounded) for the rows it needs from the peers, which their streams deliver into this job's
+     mailbox here;
+  3. assembles its window, runs segment j, and crops its band of level j.
+Both sides compute what flows from the same tables with the same functions, so a message is expected
+exactly when it is sent.
+
+Peers may send rows before this server has received its own ModnnRun (the device sends the image bands
+one after another over an antenna), so a mailbox is created by whichever comes first; one never claimed
+by a ModnnRun expires. Memory and threads are bounded: at most MAX_JOBS jobs run at once, at most
+MAX_MAILBOXES mailboxes and MAX_MAILBOX_BYTES of rows are held, and every wait has a deadline. A job holds
+one of this server's gRPC worker threads for its ModnnRun and one for each peer's incoming ModnnExchange
+stream; a job is admitted only while the running jobs' threads fit the thread budget (see `Mailboxes`), so
+that jobs cannot starve each other's exchange streams of threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from deepco.planning.modnn import check_tables, receives, sends
+from deepco.planning.plan import PlanningError
+from deepco.wire import GRPC_MESSAGE_OPTIONS
+from deepco.wire import deepco_service_pb2 as dpb
+from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
+from deepco.wire.rows import decode_rows, encode_rows
+from deepco.wire.tensors import TensorError
+from server.models import Registry, RequestError, invalid
+
+MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
+MAX_MAILBOXES = 16  # running jobs' plus those peers opened first (expiring after ORPHAN_SECONDS)
+MAX_MAILBOX_BYTES = 1 << 30  # rows received and not yet used, all jobs together
+ORPHAN_SECONDS = 60.0
+DEFAULT_EXCHANGE_TIMEOUT = 30.0
+MAX_EXCHANGE_TIMEOUT = 300.0
+MAX_JOB_ID = 128
+MAX_PEER_CHANNELS = 64
+POLL_SECONDS = 0.05  # how often a wait looks at cancellation and at failed outgoing streams
+
+
+@dataclass
+class Mailbox:
+    """Rows received for one job: (level, sender) -> (array, start row)."""
+
+    created: float
+    claimed: bool = False
+    rows: dict[tuple[int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
+
+
+class Mailboxes:
+    """Per-job mailboxes, shared by the ModnnRun and ModnnExchange handlers."""
+
+    def __init__(self, max_jobs: int = MAX_JOBS, max_mailboxes: int = MAX_MAILBOXES,
+                 max_bytes: int = MAX_MAILBOX_BYTES, threads: int | None = None):
+        self.max_jobs, self.max_mailboxes, self.max_bytes = max_jobs, max_mailboxes, max_bytes
+        self.threads = threads  # worker threads MoDNN jobs may hold together (None: no limit)
+        self.bytes = 0
+        self._held: dict[str, int] = {}  # threads each running job holds
+        self.cond = threading.Condition()
+        self.boxes: dict[str, Mailbox] = {}
+        self.finished: collections.deque[str] = collections.deque(maxlen=256)  # late rows for these are dropped
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for job in [j for j, b in self.boxes.items() if not b.claimed and now - b.created > ORPHAN_SECONDS]:
+            self._discard(job)
+
+    def _discard(self, job: str) -> None:
+        box = self.boxes.pop(job, None)
+        if box is not None:
+            self.bytes -= sum(array.nbytes for array, _ in box.rows.values())
+
+    def _box(self, job: str) -> Mailbox:
+        self._sweep()
+        box = self.boxes.get(job)
+        if box is None:
+            if len(self.boxes) >= self.max_mailboxes:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"MoDNN: {len(self.boxes)} job mailboxes open, the limit; retry later")
+            box = self.boxes[job] = Mailbox(time.monotonic())
+        return box
+
+    def claim(self, job: str, threads: int = 1) -> Mailbox:
+        """The mailbox of a job starting here that holds ``threads`` worker threads (RESOURCE_EXHAUSTED past
+        MAX_JOBS or the thread budget, ALREADY_EXISTS if it ran here before)."""
+        with self.cond:
+            running = sum(b.claimed for b in self.boxes.values())
+            if job in self.boxes and self.boxes[job].claimed or job in self.finished:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"MoDNN job {job!r} already ran here")
+            if running >= self.max_jobs:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"server busy: {running} MoDNN jobs already running (limit {self.max_jobs})")
+            if self.threads is not None:
+                if threads > self.threads:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"MoDNN job {job!r} needs {threads} worker threads here (its run and "
+                                       f"{threads - 1} peers' streams), more than the {self.threads} this server "
+                                       "gives MoDNN; start it with a larger --max-inflight")
+                held = sum(self._held.values())
+                if held + threads > self.threads:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"server busy: MoDNN jobs hold {held} of {self.threads} worker threads, "
+                                       f"this one needs {threads}")
+            box = self._box(job)
+            box.claimed = True
+            self._held[job] = threads
+            return box
+
+    def deliver(self, job: str, level: int, sender: int, array: np.ndarray, start: int) -> None:
+        """File rows a peer sent (creating the mailbox if the job has not started here yet)."""
+        with self.cond:
+            if job in self.finished:
+                return  # the job ended (e.g. failed) here: nobody will read them
+            box = self._box(job)
+            if (level, sender) in box.rows:
+                raise invalid(f"MoDNN job {job!r}: rows of level {level} from server {sender} sent twice")
+            if self.bytes + array.nbytes > self.max_bytes:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"MoDNN: {self.bytes} bytes of peers' rows held, the limit is {self.max_bytes}")
+            box.rows[(level, sender)] = (array, start)
+            self.bytes += array.nbytes
+            self.cond.notify_all()
+
+    def take(self, job: str, level: int, sender: int, timeout: float) -> tuple[np.ndarray, int] | None:
+        """The rows once they are here, or None after ``timeout`` seconds (called in short slices)."""
+        with self.cond:
+            box = self.boxes[job]
+            if (level, sender) not in box.rows:
+                self.cond.wait(timeout)
+            got = box.rows.pop((level, sender), None)
+            if got is not None:
+                self.bytes -= got[0].nbytes
+            return got
+
+    def drop(self, job: str) -> None:
+        """Forget a job (finished or failed): its mailbox and any rows still in it."""
+        with self.cond:
+            self._discard(job)
+            self._held.pop(job, None)
+            self.finished.append(job)
+
+
+class Outgoing:
+    """One ModnnExchange client stream to a peer for one job: messages are queued, gRPC sends them in order."""
+
+    def __init__(self, stub: dpb_grpc.DeepcoServiceStub, peer: int, address: str, timeout: float):
+        self.peer, self.address = peer, address
+        self.queue: queue.Queue[dpb.RowsMessage | None] = queue.Queue()
+        self.future = stub.ModnnExchange.future(self._messages(), timeout=timeout)
+
+    def _messages(self) -> Iterator[dpb.RowsMessage]:
+        while (message := self.queue.get()) is not None:
+            yield message
+
+    def error(self) -> RequestError | None:
+        """The stream's failure, if it has failed, as the error to answer the job with."""
+        if not self.future.done() or self.future.cancelled():
+            return None
+        exc = self.future.exception()
+        if exc is None:
+            return None
+        code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNKNOWN
+        details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        status = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else code
+        return RequestError(status, f"cannot send rows to peer {self.peer} ({self.address}): {code.name}: {details}")
+
+    def send(self, message: dpb.RowsMessage) -> None:
+        """Queue a message (raising the stream's error if it already failed)."""
+        if (err := self.error()) is not None:
+            raise err
+        self.queue.put(message)
+
+    def finish(self, timeout: float) -> None:
+        """End the stream and wait for the peer's acknowledgement."""
+        self.queue.put(None)
+        try:
+            self.future.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self.future.cancel()
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"peer {self.peer} ({self.address}) did not acknowledge its rows within "
+                               f"{timeout:g}s") from None
+        except grpc.RpcError:
+            pass
+        if (err := self.error()) is not None:
+            raise err
+
+    def cancel(self) -> None:
+        """Abandon the stream (the job failed)."""
+        self.queue.put(None)
+        self.future.cancel()
+
+
+@dataclass
+class Job:
+    """A validated ModnnRequest."""
+
+    id: str
+    me: int
+    peers: list[str]
+    models: list  # LoadedModel per segment
+    bands: list[list[tuple[int, int]]]
+    windows: list[list[tuple[int, int]]]
+    crops: list[list[int]]
+    image: np.ndarray
+    timeout: float
+
+    @property
+    def threads(self) -> int:
+        """Worker threads the job holds on this server: its ModnnRun and every feeding peer's stream."""
+        feeders = {peer for level in range(len(self.models))
+                   for peer in receives(self.bands, self.windows, level, self.me)}
+        return 1 + len(feeders)
+
+
+def _interval(r: dpb.RowRange) -> tuple[int, int]:
+    return int(r.start), int(r.stop)
+
+
+def parse_request(request: dpb.ModnnRequest, registry: Registry) -> Job:
+    """Check a ModnnRequest: INVALID_ARGUMENT naming the problem, NOT_FOUND for a model not loaded."""
+    job = request.job_id
+    if not job or len(job) > MAX_JOB_ID:
+        raise invalid(f"ModnnRun: job_id must be 1 to {MAX_JOB_ID} characters, got {len(job)}")
+    peers = list(request.peers)
+    if not peers or any(not p for p in peers):
+        raise invalid("ModnnRun: peers must list every server's host:port, none empty")
+    me = request.server_index
+    if me >= len(peers):
+        raise invalid(f"ModnnRun: server_index {me} is not an index of the {len(peers)} peers")
+    segments = len(request.segment_models)
+    if segments < 1:
+        raise invalid("ModnnRun: no segment_models")
+    if len(request.levels) != segments + 1:
+        raise invalid(f"ModnnRun: {len(request.levels)} levels for {segments} segments, expected {segments + 1}")
+    timeout = request.exchange_timeout_seconds or DEFAULT_EXCHANGE_TIMEOUT
+    if not 0 < timeout <= MAX_EXCHANGE_TIMEOUT:
+        raise invalid(f"ModnnRun: exchange_timeout_seconds must be in (0, {MAX_EXCHANGE_TIMEOUT:g}], got {timeout:g}")
+    bands = [[_interval(r) for r in level.owned] for level in request.levels]
+    windows = [[_interval(r) for r in level.window] for level in request.levels]
+    crops = [[int(c) for c in level.crop] for level in request.levels]
+    heights = [level[-1][1] if level else 0 for level in bands]
+    if len(bands[0]) != len(peers):
+        raise invalid(f"ModnnRun: level 0 has bands for {len(bands[0])} servers, but {len(peers)} peers")
+    try:
+        check_tables(bands, windows, heights)
+    except PlanningError as exc:
+        raise invalid(f"ModnnRun: {exc}") from None
+    for j in range(1, len(crops)):
+        if len(crops[j]) != len(peers) or any(c < 0 for c in crops[j]):
+            raise invalid(f"ModnnRun: level {j} needs one non-negative crop per server")
+    models = [registry.get(name) for name in request.segment_models]
+    for model in models:
+        if len(model.inputs) != 1 or len(model.outputs) != 1:
+            raise invalid(f"ModnnRun: segment model {model.name!r} must have one input and one output")
+    try:
+        image, start = decode_rows(request.input, "ModnnRun input")
+    except TensorError as exc:
+        raise invalid(str(exc)) from None
+    a, b = bands[0][me]
+    if start != a or image.shape[2] != b - a:
+        raise invalid(f"ModnnRun: input holds rows [{start}, {start + image.shape[2]}) of the image, but server "
+                      f"{me} owns [{a}, {b})")
+    return Job(job, me, peers, models, bands, windows, crops, image, timeout)
+
+
+class ModnnService:
+    """The MoDNN handlers of DeepcoService (wired in by server.service.DeepcoServicer)."""
+
+    def __init__(self, state, threads: int | None = None,
+                 channel_factory: Callable[[str], grpc.Channel] | None = None):
+        # state: server.service.ServerState (not imported: it imports us). channel_factory opens the channel
+        # to a peer's address; the default is plain text, so a server whose peers require TLS or a token
+        # must pass a factory that secures the channel as its own clients are secured.
+        self.state = state
+        self._open = channel_factory or (lambda address: grpc.insecure_channel(address,
+                                                                               options=list(GRPC_MESSAGE_OPTIONS)))
+        self.mailboxes = Mailboxes(threads=threads)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
+        # One channel per peer address, reused across jobs: a frame should not pay a TCP handshake per peer.
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                if len(self._channels) >= MAX_PEER_CHANNELS:
+                    self._channels.pop(next(iter(self._channels))).close()
+                channel = self._channels[address] = self._open(address)
+            return dpb_grpc.DeepcoServiceStub(channel)
+
+    def exchange(self, messages: Iterator[dpb.RowsMessage]) -> dpb.ExchangeAck:
+        """ModnnExchange: file each message's rows in its job's mailbox."""
+        count = 0
+        for message in messages:
+            try:
+                array, start = decode_rows(message.rows, f"rows of level {message.level} from server {message.sender}")
+            except TensorError as exc:
+                raise invalid(f"ModnnExchange: {exc}") from None
+            if not message.job_id or len(message.job_id) > MAX_JOB_ID:
+                raise invalid(f"ModnnExchange: job_id must be 1 to {MAX_JOB_ID} characters")
+            self.mailboxes.deliver(message.job_id, message.level, message.sender, array, start)
+            count += 1
+        return dpb.ExchangeAck(messages=count)
+
+    def run(self, job: Job, context: grpc.ServicerContext) -> dpb.ModnnResult:
+        """Run a claimed job to its band of the last level (see the module doc)."""
+        result = dpb.ModnnResult()
+        outgoing: dict[int, Outgoing] = {}
+        deadline_total = job.timeout * (len(job.models) + 1) + 60.0
+        ok = False
+        try:
+            band = job.image
+            for j, model in enumerate(job.models, start=1):
+                level = j - 1
+                own = job.bands[level][job.me]
+                for peer, (a, b) in sends(job.bands, job.windows, level, job.me).items():
+                    if peer not in outgoing:
+                        outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total)
+                    piece = np.ascontiguousarray(band[:, :, a - own[0]:b - own[0]])
+                    message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level, rows=encode_rows(piece, a))
+                    outgoing[peer].send(message)
+                    result.messages_sent += 1
+                    result.bytes_sent += piece.nbytes
+                lo, hi = job.windows[j][job.me]
+                pieces: list[tuple[int, np.ndarray]] = []
+                mine = (max(lo, own[0]), min(hi, own[1]))
+                if mine[0] < mine[1]:
+                    pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
+                waited = time.perf_counter()
+                for peer, (a, b) in receives(job.bands, job.windows, level, job.me).items():
+                    array, start = self._wait(job, level, peer, outgoing, context)
+                    if start != a or array.shape[2] != b - a or array.shape[:2] != band.shape[:2] \
+                            or array.shape[3] != band.shape[3]:
+                        raise invalid(f"MoDNN job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows "
+                                      f"[{start}, {start + array.shape[2]}) shape {list(array.shape)} of level "
+                                      f"{level}, expected rows [{a}, {b})")
+                    pieces.append((a, array))
+                    result.messages_received += 1
+                    result.bytes_received += array.nbytes
+                result.exchange_wait_seconds += time.perf_counter() - waited
+                pieces.sort(key=lambda p: p[0])
+                window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
+                if window.shape[2] != hi - lo:
+                    raise RequestError(grpc.StatusCode.INTERNAL,
+                                       f"MoDNN job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
+                                       f"expected [{lo}, {hi})")
+                queued = time.perf_counter()
+                with self.state.admission.waiting(job.timeout):
+                    started = time.perf_counter()
+                    output = model.run({model.inputs[0].name: window}, [model.outputs[0].name])
+                    result.compute_seconds += time.perf_counter() - started
+                result.queue_seconds += started - queued
+                y = output[model.outputs[0].name]
+                crop = job.crops[j][job.me]
+                a, b = job.bands[j][job.me]
+                if crop + (b - a) > y.shape[2]:
+                    raise invalid(f"MoDNN job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
+                                  f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
+                band = y[:, :, crop:crop + b - a]
+            for out in outgoing.values():
+                out.finish(job.timeout)
+            result.output.CopyFrom(encode_rows(np.ascontiguousarray(band), job.bands[-1][job.me][0]))
+            ok = True
+            return result
+        finally:
+            if not ok:
+                for out in outgoing.values():
+                    out.cancel()
+
+    def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
+              context: grpc.ServicerContext) -> tuple[np.ndarray, int]:
+        """The rows of ``level`` from ``peer``: DEADLINE_EXCEEDED naming it if they do not come in time;
+        fails at once if the job is cancelled or one of our own streams to a peer broke."""
+        until = time.monotonic() + job.timeout
+        while True:
+            got = self.mailboxes.take(job.id, level, peer, POLL_SECONDS)
+            if got is not None:
+                return got
+            if not context.is_active():
+                raise RequestError(grpc.StatusCode.CANCELLED, f"MoDNN job {job.id!r} cancelled")
+            for out in outgoing.values():
+                if (err := out.error()) is not None:
+                    raise err
+            if time.monotonic() > until:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"MoDNN job {job.id!r}: no rows of level {level} from peer {peer} "
+                                   f"({job.peers[peer]}) within {job.timeout:g}s")
