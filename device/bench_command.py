@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: wireless peers) or 'lan' (unshaped)")
     p.add_argument("--model", default="resnet18")
     p.add_argument("--input-size", default="224x224", metavar="HxW")
-    p.add_argument("--algorithms", default="thread,thread-sa,single,equal")
+    p.add_argument("--algorithms", default="thread,thread-sa,modnn-sa,modnn-ma,single")
     p.add_argument("--frames", type=int, default=20)
     p.add_argument("--cut", default="auto")
     p.add_argument("--sweep", choices=list(SWEEPS), default=None)
@@ -107,9 +107,9 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         print(tb.label, flush=True)
         ports = [PORT if tb.kernel else PORT + k for k in range(servers)]
         host = "0.0.0.0" if tb.kernel else "127.0.0.1"
-        procs = [tb.spawn([sys.executable, "-m", "deepco", "serve", "--host", host, "--port", str(ports[k]),
-                           "--threads", "1"], server=k, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True) for k in range(servers)]
+        serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64"]
+        procs = [tb.spawn([*serve, "--port", str(ports[k])], server=k, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) for k in range(servers)]
         for k, proc in enumerate(procs):
             line = proc.stdout.readline()
             if "listening" not in line:
@@ -121,6 +121,8 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         worker = [sys.executable, "-m", "device.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
                   "--cut", args.cut, "--label", tb.label, "--out", str(out)]
+        if spec.peer_mbps is not None:
+            worker += ["--peer-mbps", str(spec.peer_mbps)]
         if not tb.kernel:
             worker.append("--pace")
         code = tb.spawn(worker).wait()

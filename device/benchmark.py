@@ -66,7 +66,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             if algorithm in MODNN:
                 from device.modnn import ModnnRunner
 
-                runners[algorithm] = ModnnRunner(device, algorithm)
+                peer = None if args.peer_mbps is None else args.peer_mbps * 1e6 / 8
+                runners[algorithm] = ModnnRunner(device, algorithm, peer_bytes_per_second=peer)
             else:
                 runners[algorithm] = device.plan_for(algorithm)
         x = photo_input(args.model, h, w)
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=20)
     p.add_argument("--cut", default="auto")
     p.add_argument("--pace", action="store_true")
+    p.add_argument("--peer-mbps", type=float, default=None, help="the servers' own links (MoDNN's exchanges)")
     p.add_argument("--label", default="")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
