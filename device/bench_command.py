@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one testbed run may take (default 600)")
 
 
 def shares_for(args: argparse.Namespace, servers: int, scale: float = 1.0) -> list[float]:
@@ -108,8 +109,9 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         ports = [PORT if tb.kernel else PORT + k for k in range(servers)]
         host = "0.0.0.0" if tb.kernel else "127.0.0.1"
         serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64"]
+        logs = [(workdir / f"server-{k}.log").open("w") for k in range(servers)]
         procs = [tb.spawn([*serve, "--port", str(ports[k])], server=k, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True) for k in range(servers)]
+                          stderr=logs[k], text=True) for k in range(servers)]
         for k, proc in enumerate(procs):
             line = proc.stdout.readline()
             if "listening" not in line:
@@ -125,9 +127,17 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
             worker += ["--peer-mbps", str(spec.peer_mbps)]
         if not tb.kernel:
             worker.append("--pace")
-        code = tb.spawn(worker).wait()
+        try:
+            code = tb.spawn(worker).wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            code = None
         if code != 0:
-            raise UserError(f"the device benchmark failed (exit {code}; see its message above)")
+            for k, log in enumerate(logs):
+                log.flush()
+                tail = (workdir / f"server-{k}.log").read_text().strip().splitlines()[-3:]
+                print(f"server s{k} log (last lines): " + " | ".join(tail), file=sys.stderr)
+            why = f"exit {code}" if code is not None else f"no result within --timeout {args.timeout:g} s"
+            raise UserError(f"the device benchmark failed ({why}; see the messages above)")
         point = json.loads(out.read_text())
     point.update({"servers": servers, "antennas": antennas, "bandwidth_mbps": bandwidth, "cpu_shares": shares,
                   "device_share": args.device_share, "peer_bandwidth": args.peer_bandwidth})

@@ -11,6 +11,7 @@ import numpy as np
 
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
+from deepco.wire import security
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
+    security.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Device(cluster, args.model, height, width, algorithm=args.algorithm, cut=args.cut,
                     weights=args.weights, pace=args.pace, depth=args.depth,
-                    log=lambda line: print(line, flush=True)) as dev:
+                    log=lambda line: print(line, flush=True), security=security.from_args(args)) as dev:
             dev.setup()
             print(dev.describe_plan(), flush=True)
 

@@ -35,6 +35,7 @@ from deepco.planning import make_plan
 from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.security import ChannelSecurity
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
 PROBE_BYTES = 1 << 20
@@ -141,7 +142,7 @@ class Device:
 
     def __init__(self, cluster: Cluster, model: str, height: int, width: int, *, algorithm: str = "thread",
                  cut: str = "auto", weights: str | None = None, pace: bool = False, depth: int = 2,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, security: ChannelSecurity | None = None):
         if algorithm not in ALGORITHMS:
             raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
         if depth < 1:
@@ -149,6 +150,7 @@ class Device:
         self.cluster, self.model_spec, self.height, self.width = cluster, model, height, width
         self.algorithm, self.cut_spec, self.weights, self.pace, self.depth = algorithm, cut, weights, pace, depth
         self.log = log
+        self.security = security
         self.clients: dict[tuple[str, int], InferenceClient] = {}
         self.down: set[str] = set()  # servers marked failed, probed until they answer again
         self.events: list[dict] = []  # down / up, with times (perf_counter)
@@ -166,7 +168,7 @@ class Device:
         key = (self.cluster.servers[server].name, antenna)
         if key not in self.clients:
             address = self.cluster.address_on(self.cluster.servers[server], antenna)
-            self.clients[key] = InferenceClient(address, timeout=120.0)
+            self.clients[key] = InferenceClient(address, timeout=120.0, security=self.security)
         return self.clients[key]
 
     def close(self) -> None:

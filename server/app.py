@@ -5,10 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
 import threading
-from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,7 +15,10 @@ from deepco.errors import UserError
 from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2_grpc as pb_grpc
-from server.models import Registry, Runtime, choose_runtime
+from server import logs
+from server.metrics import CountingExecutor, Metrics, ObservingInterceptor
+from server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
+from server.security import ServerSecurity, TokenAuthInterceptor, plaintext_warning
 from server.service import Admission, DeepcoServicer, InferenceServicer, ServerState
 
 log = logging.getLogger("deepco.serve")
@@ -39,6 +40,12 @@ class ServeConfig:
     max_models: int = 8
     max_inflight: int = 4
     grace: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES  # uploaded ONNX bytes held at once, all models together
+    max_queue: int | None = None  # RPCs waiting for a worker thread; None: 3 x the worker threads
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mutual TLS, token
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free one); None: off
+    metrics_host: str = "127.0.0.1"
+    log_format: str = "text"  # "text" or "json" (one object per line, with one line per RPC)
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -61,24 +68,43 @@ def check_bindable(host: str, port: int) -> None:
 
 
 class Server:
-    """A started gRPC server with both services and the standard grpc.health.v1 service."""
+    """A started gRPC server with both services and the standard grpc.health.v1 service.
+
+    Every RPC passes two interceptors: server.metrics.ObservingInterceptor (metrics, per-RPC log line,
+    unparsable requests answered INVALID_ARGUMENT), then, with a token configured,
+    server.security.TokenAuthInterceptor. ``peer_security`` is how this server should dial its peers.
+    """
 
     def __init__(self, config: ServeConfig, runtime: Runtime | None = None):
         if config.max_models < 1 or config.max_inflight < 1:
             raise UserError("--max-models and --max-inflight must be >= 1")
+        if config.max_model_bytes < 1 or (config.max_queue is not None and config.max_queue < 0):
+            raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
         self.config = config
         self.runtime = runtime or choose_runtime(config.device, config.threads)
-        self.state = ServerState(Registry(self.runtime, config.max_models), Admission(config.max_inflight))
+        self.state = ServerState(Registry(self.runtime, config.max_models, config.max_model_bytes),
+                                 Admission(config.max_inflight))
+        security = config.security
+        self.peer_security = security.peer_security()
+        # For server.modnn's server-to-server channels (make_channel(address, state.peer_security)); set here
+        # until ServerState declares it itself.
+        self.state.peer_security = self.peer_security
         workers = config.max_inflight + CONTROL_THREADS
+        self.max_queue = 3 * workers if config.max_queue is None else config.max_queue
+        self.executor = CountingExecutor(max_workers=workers, thread_name_prefix="deepco-rpc")
+        self.metrics = Metrics(self.state.registry, self.executor)
+        interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics)]
+        if security.token is not None:
+            interceptors.append(TokenAuthInterceptor(security.token))
         options = [*GRPC_MESSAGE_OPTIONS,
                    # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
                    # silently share it; we want "port in use" to be an error.
                    ("grpc.so_reuseport", 0)]
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deepco-rpc"),
-                                options=options,
-                                # a hard cap on RPCs held at once (running or queued); gRPC answers the
-                                # excess with RESOURCE_EXHAUSTED itself
-                                maximum_concurrent_rpcs=4 * workers)
+        self.grpc = grpc.server(self.executor, options=options, interceptors=interceptors,
+                                # The bounded queue: at most workers + max_queue RPCs held at once (running or
+                                # waiting for a thread); gRPC refuses the excess at once with RESOURCE_EXHAUSTED
+                                # ("Concurrent RPC limit exceeded!"), which is the back-pressure clients see.
+                                maximum_concurrent_rpcs=workers + self.max_queue)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.grpc)
         dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state), self.grpc)
         self.health = health.HealthServicer()
@@ -86,11 +112,18 @@ class Server:
         address = f"{config.host}:{config.port}"
         check_bindable(config.host, config.port)
         try:
-            self.port = self.grpc.add_insecure_port(address)
+            if security.tls:
+                self.port = self.grpc.add_secure_port(address, security.credentials())
+            else:
+                self.port = self.grpc.add_insecure_port(address)
         except RuntimeError:
             self.port = 0
         if self.port == 0:
             raise UserError(f"cannot listen on {address}: the port is in use or the address is not local")
+        self.metrics_port: int | None = None
+        if config.metrics_port is not None:
+            check_bindable(config.metrics_host, config.metrics_port)
+            self.metrics_port = self.metrics.serve_http(config.metrics_host, config.metrics_port)
         self.grpc.start()
         for service in SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -105,11 +138,15 @@ class Server:
         self.state.draining.set()
         self.health.enter_graceful_shutdown()  # health checks now say NOT_SERVING
         self.grpc.stop(self.config.grace if grace is None else grace).wait()
+        self.metrics.close()
 
 
 def serve(config: ServeConfig) -> int:
     """Run `deepco serve` until SIGTERM or SIGINT; returns the exit code (0 after a clean drain)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="deepco serve: %(message)s")
+    logs.configure(config.log_format)
+    warning = plaintext_warning(config.host, config.security)
+    if warning:  # through the log, so that with --log-format json every stderr line is still JSON
+        log.warning("%s", warning)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -123,6 +160,11 @@ def serve(config: ServeConfig) -> int:
     log.info("execution provider %s (device %s, --device %s), intra-op threads %s, max models %d, "
              "max in-flight %d", server.runtime.provider, server.runtime.device, config.device,
              config.threads or "ORT default", config.max_models, config.max_inflight)
+    log.info("TLS %s, token %s, max model bytes %d, max queue %d, metrics %s",
+             ("mutual" if config.security.ca else "on") if config.security.tls else "off",
+             "required" if config.security.token else "off", config.max_model_bytes, server.max_queue,
+             f"http://{config.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port is not None
+             else "off")
     # The one line on stdout: scripts and tests read the port from it (useful with --port 0).
     print(f"deepco serve: listening on {server.address}", flush=True)
     while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals

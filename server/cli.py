@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -47,12 +48,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 4)")
     p.add_argument("--grace", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long in-flight requests may still run (default: 30)")
+    p.add_argument("--max-model-bytes", type=_int_at_least(1), default=1 << 30, metavar="BYTES",
+                   help="uploaded ONNX bytes of all loaded models together; a load over it is refused with "
+                        "RESOURCE_EXHAUSTED (default: 1073741824, 1 GiB)")
+    p.add_argument("--max-queue", type=_int_at_least(0), default=None, metavar="N",
+                   help="RPCs that may wait for a worker thread; the excess is refused at once with "
+                        "RESOURCE_EXHAUSTED (default: 3 x (--max-inflight + 4))")
+    sec = p.add_argument_group("security (plain text off loopback is allowed, with a warning on stderr)")
+    sec.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate (chain): serve TLS only")
+    sec.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--tls-ca", type=Path, metavar="PEM",
+                     help="CA of client certificates: mutual TLS, clients without one are refused")
+    token = sec.add_mutually_exclusive_group()
+    token.add_argument("--token", metavar="TOKEN",
+                       help="shared token every RPC but ServerLive/ServerReady/health must send as metadata "
+                            "'authorization: Bearer TOKEN' (visible in ps: prefer --token-file)")
+    token.add_argument("--token-file", type=Path, metavar="FILE", help="read the shared token from FILE")
+    obs = p.add_argument_group("observability")
+    obs.add_argument("--metrics-port", type=_int_at_least(0, 65535), default=None, metavar="P",
+                     help="serve Prometheus metrics at http://HOST:P/metrics (default: off)")
+    obs.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="address of the metrics endpoint (default: 127.0.0.1)")
+    obs.add_argument("--log-format", choices=("text", "json"), default="text",
+                     help="stderr log lines: text, or one JSON object per line with one line per RPC "
+                          "(fields ts, level, event, service, method, code, ms, model, peer) (default: text)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
     # Imported here so that `deepco --help` and the other commands do not load gRPC and ONNX Runtime.
+    from deepco.wire.security import read_token_file
     from server.app import ServeConfig, serve
+    from server.security import ServerSecurity
 
+    token = read_token_file(args.token_file) if args.token_file is not None else args.token
+    security = ServerSecurity(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, token=token)
     return serve(ServeConfig(host=args.host, port=args.port, device=args.device, threads=args.threads,
-                             max_models=args.max_models, max_inflight=args.max_inflight, grace=args.grace))
+                             max_models=args.max_models, max_inflight=args.max_inflight, grace=args.grace,
+                             max_model_bytes=args.max_model_bytes, max_queue=args.max_queue, security=security,
+                             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                             log_format=args.log_format))

@@ -6,8 +6,11 @@ with; the servicers translate it, so nothing here knows about gRPC contexts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -28,6 +31,11 @@ CUDA = "CUDAExecutionProvider"
 DEVICES = ("auto", "cpu", "cuda")
 PLATFORM = "onnxruntime_onnx"  # Triton's platform name for ONNX Runtime models
 PROFILE_MAX_BYTES = 256 * 1024 * 1024  # Profile inputs are made on the server: bound their size as a message's
+# The default total of uploaded ONNX bytes held at once (--max-model-bytes): with --max-models 8 it still
+# fits the big models the device uses (tens of MB each) and keeps a misbehaving client from filling memory.
+DEFAULT_MAX_MODEL_BYTES = 1 << 30
+MAX_NAME_CHARS = 128  # a model name ends up in logs, metrics labels and error messages
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class RequestError(Exception):
@@ -181,8 +189,11 @@ class LoadedModel:
         dims = tuple(int(d) for d in shape)
         if any(d < 0 for d in dims):
             raise invalid(f"Profile: shape {list(dims)} has a negative dimension")
+        if len(dims) > len(spec.shape):  # checked again below; here it keeps the message short
+            raise invalid(f"Profile: shape has {len(dims)} dimensions, model {self.name!r} takes "
+                          f"{list(spec.shape)}")
         dtype = numpy_dtype(spec.datatype)
-        nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(dims) * dtype.itemsize  # Python ints: np.prod wraps around on absurd shapes
         if nbytes > PROFILE_MAX_BYTES:
             raise invalid(f"Profile: shape {list(dims)} is {nbytes} bytes, over the {PROFILE_MAX_BYTES} limit")
         rng = np.random.default_rng(0)
@@ -229,31 +240,74 @@ def model_from_load_request(parameters: Mapping[str, object]) -> tuple[bytes, st
     if value.WhichOneof("parameter_choice") != "bytes_param":
         raise invalid(f"parameter 'file:{path}' must hold bytes (the ONNX file)")
     version, sep, filename = path.partition("/")
-    if not sep or not version.isdigit() or not filename.endswith(".onnx") or "/" in filename:
-        raise invalid(f"parameter 'file:{path}': expected 'file:<version>/<name>.onnx', e.g. 'file:1/model.onnx'")
-    return value.bytes_param, str(int(version))
+    if not sep or not version.isascii() or not version.isdigit() or len(version) > 18 \
+            or not filename.endswith(".onnx") or "/" in filename:
+        raise invalid(f"parameter 'file:{path[:80]}': expected 'file:<version>/<name>.onnx', "
+                      "e.g. 'file:1/model.onnx'")
+    model_bytes = value.bytes_param
+    check_sha256(parameters.get("sha256"), model_bytes)
+    return model_bytes, str(int(version))
+
+
+def check_sha256(parameter: object, model_bytes: bytes) -> None:
+    """Refuse the upload unless its SHA-256 is the one in the optional ``sha256`` parameter (hex string).
+
+    Checked before ORT sees the bytes, so a corrupted or substituted file is never parsed or run.
+    """
+    if parameter is None:
+        return
+    if parameter.WhichOneof("parameter_choice") != "string_param":
+        raise invalid("parameter 'sha256' must be a string (the model file's SHA-256 as 64 hex digits)")
+    expected = parameter.string_param.strip().lower()
+    if not _SHA256.fullmatch(expected):
+        raise invalid(f"parameter 'sha256' must be 64 hex digits, got {parameter.string_param[:80]!r}")
+    actual = hashlib.sha256(model_bytes).hexdigest()
+    if actual != expected:
+        raise invalid(f"model file sha256 mismatch: expected {expected}, actual {actual} "
+                      f"({len(model_bytes)} bytes received)")
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a model name that is empty, too long, or holds control characters."""
+    if not name:
+        raise invalid("model_name is empty")
+    if len(name) > MAX_NAME_CHARS:
+        raise invalid(f"model_name is {len(name)} characters, over the {MAX_NAME_CHARS} limit")
+    if not name.isprintable():
+        raise invalid(f"model_name {name[:40]!r} holds control characters")
 
 
 class Registry:
-    """The loaded models, at most ``max_models`` of them; safe to use from many gRPC threads."""
+    """The loaded models, at most ``max_models`` of them holding at most ``max_model_bytes`` uploaded bytes
+    in all; safe to use from many gRPC threads."""
 
-    def __init__(self, runtime: Runtime, max_models: int):
-        self.runtime, self.max_models = runtime, max_models
+    def __init__(self, runtime: Runtime, max_models: int, max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES):
+        self.runtime, self.max_models, self.max_model_bytes = runtime, max_models, max_model_bytes
         self._models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()
 
-    def _check_room(self, name: str) -> None:
+    def _check_room(self, name: str, size: int) -> None:
         if name not in self._models and len(self._models) >= self.max_models:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"cannot load model {name!r}: {len(self._models)} models are loaded, the limit "
                                f"(--max-models) is {self.max_models}; unload one first")
+        # A replaced model's bytes are freed by the replacement, so they do not count against it.
+        held = sum(m.size for n, m in self._models.items() if n != name)
+        if held + size > self.max_model_bytes:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"cannot load model {name!r} ({size} bytes): loaded models hold {held} bytes and "
+                               f"the limit (--max-model-bytes) is {self.max_model_bytes}; unload one first")
+
+    def held_bytes(self) -> int:
+        """Uploaded bytes of the models loaded now (what --max-model-bytes bounds)."""
+        with self._lock:
+            return sum(m.size for m in self._models.values())
 
     def load(self, name: str, version: str, model_bytes: bytes) -> LoadedModel:
         """Build a session and (re)place model ``name``; a bad ONNX file is INVALID_ARGUMENT."""
-        if not name:
-            raise invalid("model_name is empty")
+        check_model_name(name)
         with self._lock:
-            self._check_room(name)  # fail early, before the (possibly slow) session build
+            self._check_room(name, len(model_bytes))  # fail early, before the (possibly slow) session build
         try:
             # ORT is the judge of what it can run: garbage bytes, a truncated file, an unknown operator or
             # an invalid graph all fail here, with ORT's own one-line reason.
@@ -263,7 +317,7 @@ class Registry:
             raise invalid(f"model {name!r} is not a valid ONNX model (ONNX Runtime: {first})") from None
         model = LoadedModel(name, version, session, len(model_bytes))
         with self._lock:
-            self._check_room(name)  # again: another load may have filled the last place meanwhile
+            self._check_room(name, len(model_bytes))  # again: another load may have filled it meanwhile
             self._models[name] = model
         log.info("loaded model %r version %s (%d bytes) on %s", name, version, len(model_bytes),
                  model.providers[0])

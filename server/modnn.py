@@ -33,10 +33,10 @@ import numpy as np
 
 from deepco.planning.modnn import check_tables, receives, sends
 from deepco.planning.plan import PlanningError
-from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire.rows import decode_rows, encode_rows
+from deepco.wire.security import make_channel
 from deepco.wire.tensors import TensorError
 from server.models import Registry, RequestError, invalid
 
@@ -286,8 +286,9 @@ class ModnnService:
         # to a peer's address; the default is plain text, so a server whose peers require TLS or a token
         # must pass a factory that secures the channel as its own clients are secured.
         self.state = state
-        self._open = channel_factory or (lambda address: grpc.insecure_channel(address,
-                                                                               options=list(GRPC_MESSAGE_OPTIONS)))
+        # Peers are dialled as this server's own clients are secured (TLS / mutual TLS / token): see
+        # server.app, which sets state.peer_security; read at dial time, so the setting always applies.
+        self._open = channel_factory or (lambda address: make_channel(address, self.state.peer_security))
         self.mailboxes = Mailboxes(threads=threads)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()

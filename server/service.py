@@ -18,6 +18,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
+from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
 from server.modnn import ModnnService, parse_request
@@ -99,6 +100,7 @@ class ServerState:
     def __init__(self, registry: Registry, admission: Admission):
         self.registry, self.admission = registry, admission
         self.draining = threading.Event()
+        self.peer_security = ChannelSecurity()  # how to dial peer servers (MoDNN); server.app sets it
 
     def extensions(self) -> list[str]:
         """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""

@@ -6,7 +6,9 @@ Used by the tests and by the device. Every failure the server reports becomes a 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,11 +18,11 @@ import grpc
 import numpy as np
 
 from deepco.errors import UserError
-from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
+from deepco.wire.security import ChannelSecurity, make_channel
 from deepco.wire.tensors import decode_outputs, encode_request
 
 
@@ -47,9 +49,17 @@ class RunHandle:
 
     client: InferenceClient
     events: Any  # the rest of the Run response stream
+    watchdog: threading.Timer | None = None  # cancels the call if it outlives its deadline
 
     def result(self) -> tuple[dict[str, np.ndarray], float, float]:
         """(outputs by name, the server's compute seconds, seconds it queued for a compute slot)."""
+        try:
+            return self._result()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+
+    def _result(self) -> tuple[dict[str, np.ndarray], float, float]:
         try:
             event = next(self.events)
         except grpc.RpcError as exc:
@@ -61,11 +71,15 @@ class RunHandle:
 
 
 class InferenceClient:
-    """One channel to one server; thread-safe, as gRPC channels are. Use as a context manager or close()."""
+    """One channel to one server; thread-safe, as gRPC channels are. Use as a context manager or close().
 
-    def __init__(self, address: str, timeout: float | None = 60.0):
+    ``security`` (TLS, mutual TLS, bearer token; see deepco.wire.security) defaults to plain text.
+    """
+
+    def __init__(self, address: str, timeout: float | None = 60.0, security: ChannelSecurity | None = None):
         self.address, self.timeout = address, timeout
-        self.channel = grpc.insecure_channel(address, options=list(GRPC_MESSAGE_OPTIONS))
+        self.security = security or ChannelSecurity()
+        self.channel = make_channel(address, self.security)
         self.inference = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.deepco = dpb_grpc.DeepcoServiceStub(self.channel)
         self._input_names: dict[str, str] = {}
@@ -116,13 +130,22 @@ class InferenceClient:
         return result
 
     def load_model(self, model_bytes: bytes, name: str, version: str = "1",
-                   config: Mapping[str, Any] | None = None) -> None:
+                   config: Mapping[str, Any] | None = None, sha256: str | None = None) -> None:
         """Load (or replace) a model from its ONNX bytes, as Triton's RepositoryModelLoad with a
-        ``file:<version>/model.onnx`` parameter."""
+        ``file:<version>/model.onnx`` parameter.
+
+        ``sha256`` (hex) goes along as the ``sha256`` parameter and the server refuses the model unless its
+        bytes have that digest: pass the digest published with the model to catch a wrong or corrupted file.
+        None (the default) sends the digest of ``model_bytes`` (catches corruption on the way); "" sends none.
+        """
         request = pb.RepositoryModelLoadRequest(model_name=name)
         request.parameters["config"].string_param = json.dumps(
             dict(config) if config is not None else {"name": name, "backend": "onnxruntime"})
         request.parameters[f"file:{version}/model.onnx"].bytes_param = model_bytes
+        if sha256 is None:
+            sha256 = hashlib.sha256(model_bytes).hexdigest()
+        if sha256:
+            request.parameters["sha256"].string_param = sha256
         self._call(self.inference.RepositoryModelLoad, request)
         self._input_names.pop(name, None)
 
@@ -164,16 +187,27 @@ class InferenceClient:
 
     def start_run(self, name: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> RunHandle:
         """Send one slice with DeepcoService.Run; return once the server has received all of it."""
-        events = self.deepco.Run(encode_request(name, inputs), timeout=self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        events = self.deepco.Run(encode_request(name, inputs), timeout=limit)
+        # A second, client-side bound: a stream once sat past its gRPC deadline here (seen on the testbed,
+        # not understood); cancelling the call turns any such stall into a CANCELLED error we handle.
+        watchdog = threading.Timer(limit + 1.0, events.cancel) if limit is not None else None
+        if watchdog is not None:
+            watchdog.daemon = True
+            watchdog.start()
         try:
             first = next(events)
         except grpc.RpcError as exc:
+            if watchdog is not None:
+                watchdog.cancel()
             raise ServerError(self.address, exc.code(), exc.details() or "") from None
         except StopIteration:
+            if watchdog is not None:
+                watchdog.cancel()
             raise ServerError(self.address, grpc.StatusCode.INTERNAL, "Run ended before the data arrived") from None
         if first.WhichOneof("event") != "received":
             raise ServerError(self.address, grpc.StatusCode.INTERNAL, "Run answered out of order")
-        return RunHandle(self, events)
+        return RunHandle(self, events, watchdog)
 
     def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:
         """Seconds for ``payload_bytes`` to reach the server and ``reply_bytes`` to come back."""

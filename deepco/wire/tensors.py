@@ -9,6 +9,7 @@ the problem, which the server turns into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -74,11 +75,22 @@ def numpy_dtype(datatype: str, what: str = "tensor") -> np.dtype:
             from None
 
 
+# numpy arrays have at most 32 (numpy 1.x) or 64 dimensions; a CNN tensor has 4 or 5.
+MAX_RANK = 32
+MAX_ELEMENTS = 2**59  # numpy's bound on elements x item size is 2**63 - 1; 8 bytes is the largest item here
+
+
 def check_shape(shape: Sequence[int], what: str = "tensor") -> tuple[int, ...]:
-    """The shape as a tuple of ints, rejecting negative dimensions."""
+    """The shape as a tuple of ints, rejecting negative dimensions and ranks over MAX_RANK."""
+    if len(shape) > MAX_RANK:
+        raise TensorError(f"{what}: shape has {len(shape)} dimensions, over the {MAX_RANK} limit")
     dims = tuple(int(d) for d in shape)
     if any(d < 0 for d in dims):
         raise TensorError(f"{what}: shape {list(dims)} has a negative dimension")
+    # numpy cannot even describe an array this large, empty or not (e.g. [0, 2**62, 2**62]): refuse it here
+    # rather than fail inside numpy.
+    if math.prod(max(d, 1) for d in dims) > MAX_ELEMENTS:
+        raise TensorError(f"{what}: shape {list(dims)} is absurdly large (over {MAX_ELEMENTS} elements)")
     return dims
 
 
@@ -86,7 +98,9 @@ def array_from_raw(datatype: str, shape: Sequence[int], raw: bytes, what: str = 
     """Decode raw little-endian row-major bytes; the byte length must match shape x element size exactly."""
     dtype = numpy_dtype(datatype, what)
     dims = check_shape(shape, what)
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    # math.prod on Python ints: np.prod in int64 wraps around on absurd shapes (dims of 1e12) and could
+    # "match" a short payload.
+    expected = math.prod(dims) * dtype.itemsize
     if len(raw) != expected:
         raise TensorError(f"{what}: {len(raw)} bytes of raw data, but shape {list(dims)} of {datatype} "
                           f"needs {expected}")
@@ -103,7 +117,7 @@ def array_from_contents(datatype: str, shape: Sequence[int], contents: pb.InferT
     if field is None:
         raise TensorError(f"{what}: datatype {datatype} can only be sent as raw contents")
     values = getattr(contents, field)
-    count = int(np.prod(dims, dtype=np.int64))
+    count = math.prod(dims)
     if len(values) != count:
         raise TensorError(f"{what}: {len(values)} values in {field}, but shape {list(dims)} needs {count}")
     others = [f.name for f, v in contents.ListFields() if f.name != field and len(v)]

@@ -1,0 +1,287 @@
+"""Observability of `deepco serve`: Prometheus metrics, one structured log line per RPC, and malformed
+requests answered INVALID_ARGUMENT.
+
+:class:`ObservingInterceptor` is a gRPC server interceptor, so every RPC of every service registered on
+the server is counted and timed, the standard ones and any added later, without touching the servicers.
+The metrics live in a per-server :class:`prometheus_client.CollectorRegistry` (several servers can run in
+one test process) and are served as Prometheus text on ``GET /metrics`` by :meth:`Metrics.serve_http`.
+
+Exported (``service`` is e.g. ``inference.GRPCInferenceService``, ``method`` e.g. ``ModelInfer``):
+
+- ``deepco_grpc_requests_total{service,method,code}``: finished RPCs by status code (``OK``, ...),
+- ``deepco_grpc_errors_total{service,method,code}``: the same, only those not ``OK``,
+- ``deepco_grpc_request_seconds{service,method}``: histogram of seconds from the RPC's arrival at the
+  server (queueing for a worker thread included) to its last response,
+- ``deepco_grpc_inflight``: RPCs running on a worker thread now; ``deepco_grpc_queued``: RPCs accepted
+  and waiting for a worker thread (bounded by ``--max-queue``),
+- ``deepco_models_loaded``, ``deepco_model_bytes{model}``, ``deepco_model_bytes_total`` and
+  ``deepco_model_bytes_limit``: the loaded models and their uploaded bytes (``--max-model-bytes``).
+
+Calls gRPC refuses before any interceptor runs (the ``--max-queue`` bound, messages over the size limit)
+are not counted: gRPC Python gives no hook there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from deepco.wire.tensors import TensorError
+from server.models import Registry
+from server.rpc import behavior, rebuild, split_method
+
+rpc_log = logging.getLogger("deepco.serve.rpc")
+
+# Seconds: from a cached 0.1 ms health check to a multi-second partitioned frame on a slow server.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+UNKNOWN_METHOD = "unknown"
+
+
+class CountingExecutor(futures.ThreadPoolExecutor):
+    """The gRPC worker pool, counting the work submitted but not yet started: the server's queue depth."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = ""):
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a worker thread."""
+        return self._queued
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
+        """Queue ``fn`` like ThreadPoolExecutor.submit, counting it until a worker starts it."""
+        with self._lock:
+            self._queued += 1
+
+        def started(*a: Any, **kw: Any) -> Any:
+            with self._lock:
+                self._queued -= 1
+            return fn(*a, **kw)
+
+        try:
+            return super().submit(started, *args, **kwargs)
+        except BaseException:  # shut down: it will never start
+            with self._lock:
+                self._queued -= 1
+            raise
+
+
+class _ModelsCollector(Collector):
+    """Loaded models and their bytes, read from the registry at scrape time (no stale labels on unload)."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The model gauges, now."""
+        models = self._registry.all()
+        yield GaugeMetricFamily("deepco_models_loaded", "Models loaded now", value=len(models))
+        per_model = GaugeMetricFamily("deepco_model_bytes", "Uploaded ONNX bytes of each loaded model",
+                                      labels=["model"])
+        for model in models:
+            per_model.add_metric([model.name], model.size)
+        yield per_model
+        yield GaugeMetricFamily("deepco_model_bytes_total", "Uploaded ONNX bytes of all loaded models",
+                                value=sum(m.size for m in models))
+        yield GaugeMetricFamily("deepco_model_bytes_limit", "The --max-model-bytes budget",
+                                value=self._registry.max_model_bytes)
+
+
+class Metrics:
+    """The Prometheus metrics of one server."""
+
+    def __init__(self, models: Registry, executor: CountingExecutor | None = None):
+        self.registry = CollectorRegistry()
+        labels = ["service", "method"]
+        self.requests = Counter("deepco_grpc_requests", "Finished RPCs by status code", [*labels, "code"],
+                                registry=self.registry)
+        self.errors = Counter("deepco_grpc_errors", "Finished RPCs whose status is not OK", [*labels, "code"],
+                              registry=self.registry)
+        self.latency = Histogram("deepco_grpc_request_seconds", "Seconds from an RPC's arrival to its end",
+                                 labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inflight = Gauge("deepco_grpc_inflight", "RPCs running on a worker thread now", registry=self.registry)
+        queued = Gauge("deepco_grpc_queued", "RPCs accepted and waiting for a worker thread",
+                       registry=self.registry)
+        if executor is not None:
+            queued.set_function(lambda: executor.queued)
+        self.registry.register(_ModelsCollector(models))
+        self._http: Any = None
+
+    def observe(self, service: str, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """Count one finished RPC."""
+        self.requests.labels(service, method, code.name).inc()
+        if code != grpc.StatusCode.OK:
+            self.errors.labels(service, method, code.name).inc()
+        self.latency.labels(service, method).observe(seconds)
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` in a daemon thread; the port bound."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint, if it runs."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _Malformed:
+    """What a request that does not parse deserializes to; the behaviour answers INVALID_ARGUMENT."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class MalformedRequest(TensorError):
+    """Raised inside a servicer that iterates a request stream holding a message that does not parse.
+
+    A TensorError, so the servicers' error handling already answers it INVALID_ARGUMENT with its message;
+    the interceptor makes sure of that status for servicers that let it escape.
+    """
+
+
+def _checked_stream(requests: Iterator[Any], seen: list[str]) -> Iterator[Any]:
+    """The messages of a request stream; a malformed one is remembered in ``seen`` and raises."""
+    for request in requests:
+        if isinstance(request, _Malformed):
+            seen.append(request.message)
+            raise MalformedRequest(request.message)
+        yield request
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserializer``, but a parse failure yields a _Malformed instead of gRPC's INTERNAL
+    "Exception deserializing request!" (the client sent it: that is INVALID_ARGUMENT)."""
+    if deserializer is None:
+        return None
+    owner = getattr(deserializer, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    type_name = getattr(descriptor, "full_name", "the request message")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Malformed(f"malformed request: {len(data)} bytes do not parse as {type_name} "
+                              f"({type(exc).__name__})")
+
+    return parse
+
+
+def _model_of(request: Any) -> str | None:
+    """The model a request names, for the log line."""
+    for field in ("model_name", "name"):
+        value = getattr(request, field, None)
+        if isinstance(value, str) and value:
+            return value[:128]
+    return None
+
+
+def _code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
+    """The status an RPC ended with: the one the servicer set, else UNKNOWN after an exception, else OK."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+
+
+class ObservingInterceptor(grpc.ServerInterceptor):
+    """Counts, times and logs every RPC, and answers requests that do not parse with INVALID_ARGUMENT.
+
+    Installed first (outermost), so calls that a later interceptor refuses (a missing token) are counted too.
+    """
+
+    def __init__(self, metrics: Metrics | None):
+        self.metrics = metrics
+
+    def _finish(self, service: str, method: str, arrived: float, code: grpc.StatusCode, model: str | None,
+                context: grpc.ServicerContext) -> None:
+        seconds = time.perf_counter() - arrived
+        if self.metrics is not None:
+            self.metrics.inflight.dec()
+            self.metrics.observe(service, method, code, seconds)
+        if rpc_log.isEnabledFor(logging.INFO):
+            fields = {"event": "rpc", "service": service, "method": method, "code": code.name,
+                      "ms": round(seconds * 1000, 3), "model": model, "peer": context.peer()}
+            level = logging.INFO if code == grpc.StatusCode.OK else logging.WARNING
+            rpc_log.log(level, "%s/%s %s %.1f ms%s", service, method, code.name, seconds * 1000,
+                        f" model {model!r}" if model else "", extra={"fields": fields})
+
+    def _start(self) -> None:
+        if self.metrics is not None:
+            self.metrics.inflight.inc()
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """The method's handler, wrapped to be observed."""
+        arrived = time.perf_counter()
+        handler = continuation(details)
+        service, method = split_method(details.method)
+        if handler is None:
+            # Not a method of ours: answered UNIMPLEMENTED here (rather than by gRPC) so that it is counted,
+            # under one label value, so that random method names cannot grow the label set.
+            service, method = "", UNKNOWN_METHOD
+            handler = grpc.unary_unary_rpc_method_handler(
+                lambda request, context: context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                                       f"unknown method {details.method[:200]!r}"))
+        inner = behavior(handler)
+        finish, start = self._finish, self._start
+        streaming_request = handler.request_streaming
+
+        def admit(request: Any, context: grpc.ServicerContext, malformed: list[str]) -> Any:
+            """The request (stream) to hand the servicer; a unary request that did not parse is refused."""
+            if streaming_request:
+                return _checked_stream(request, malformed)
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return request
+
+        def refuse_malformed(context: grpc.ServicerContext, malformed: list[str]) -> None:
+            # A malformed streamed message wins over whatever status the servicer made of it.
+            if malformed:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed[0])
+
+        if not handler.response_streaming:
+            def serve(request: Any, context: grpc.ServicerContext) -> Any:
+                start()
+                failed, model, malformed = False, None if streaming_request else _model_of(request), []
+                try:
+                    return inner(admit(request, context, malformed), context)
+                except BaseException:
+                    failed = True
+                    refuse_malformed(context, malformed)
+                    raise
+                finally:
+                    finish(service, method, arrived, _code(context, failed), model, context)
+        else:
+            def serve(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # type: ignore[misc]
+                start()
+                failed, model, malformed = False, None if streaming_request else _model_of(request), []
+                code: grpc.StatusCode | None = None
+                try:
+                    yield from inner(admit(request, context, malformed), context)
+                except GeneratorExit:  # the client went away mid-stream
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except BaseException:
+                    failed = True
+                    refuse_malformed(context, malformed)
+                    raise
+                finally:
+                    finish(service, method, arrived, code or _code(context, failed), model, context)
+
+        return rebuild(handler, serve, request_deserializer=_tolerant(handler.request_deserializer))
