@@ -151,11 +151,12 @@ def table(point: dict) -> str:
              f"(CPU shares {', '.join(map(str, point['cpu_shares']))}), {point['antennas']} antenna(s) at "
              f"{point['bandwidth_mbps']:g} Mbit/s, device CPU share {point['device_share']:g}, "
              f"server-to-server links: {point['peer_bandwidth']}",
-             f"{'algorithm':<10} {'mean':>8} {'p50':>8} {'p95':>8} {'predicted':>10} {'meas/pred':>10} {'frames':>7}"]
+             f"{'algorithm':<10} {'mean':>8} {'p50':>8} {'p95':>8} {'predicted':>10} {'meas/pred':>10} {'frames':>7} "
+             f"{'max error':>10}"]
     for name, r in point["algorithms"].items():
         ratio = r["measured_over_predicted"]
         lines.append(f"{name:<10} {r['mean'] * 1e3:>8.1f} {r['p50'] * 1e3:>8.1f} {r['p95'] * 1e3:>8.1f} "
-                     f"{r['predicted'] * 1e3:>10.1f} {ratio:>10.2f} {r['frames']:>7}")
+                     f"{r['predicted'] * 1e3:>10.1f} {ratio:>10.2f} {r['frames']:>7} {r['max_relative_error']:>10.1e}")
     if "thread" in point["algorithms"]:
         base = point["algorithms"]["thread"]["mean"]
         lines.append("latency / THREAD's: " + ", ".join(f"{n} {r['mean'] / base:.2f}"

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 from tqdm import tqdm
 
 from deepco.cluster import load_cluster
@@ -72,16 +73,25 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 runners[algorithm] = device.plan_for(algorithm)
         x = photo_input(args.model, h, w)
 
+        # Every frame of every algorithm is checked against ONNX Runtime on the whole model, here.
+        whole = ort.InferenceSession(device.model.SerializeToString(), providers=["CPUExecutionProvider"])
+        reference = whole.run(None, {whole.get_inputs()[0].name: x})[0]
+        scale = float(np.abs(reference).max()) or 1.0
+        worst: dict[str, float] = {a: 0.0 for a in algorithms}
+
         def once(algorithm: str) -> float:
             runner = runners[algorithm]
             if algorithm in MODNN:
                 start = time.perf_counter()
-                runner.run_frame(x)
-                return time.perf_counter() - start
-            result = next(device.run([x], plan=runner, depth=1))
-            if result.error is not None:
-                raise UserError(f"{algorithm}: frame failed: {result.error}")
-            return result.latency
+                output, _ = runner.run_frame(x)
+                latency = time.perf_counter() - start
+            else:
+                result = next(device.run([x], plan=runner, depth=1))
+                if result.error is not None:
+                    raise UserError(f"{algorithm}: frame failed: {result.error}")
+                output, latency = result.output, result.latency
+            worst[algorithm] = max(worst[algorithm], float(np.abs(output - reference).max()) / scale)
+            return latency
 
         for _ in range(WARMUP_FRAMES):
             for algorithm in algorithms:
@@ -95,6 +105,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             runner = runners[algorithm]
             predicted = runner.predicted if algorithm in MODNN else runner.frame_time
             entry = summary(latencies[algorithm], predicted)
+            entry["max_relative_error"] = worst[algorithm]  # vs the whole model, over every frame
             if algorithm not in MODNN:
                 entry["servers"] = [{"name": s.name, "antenna": s.antenna, "order": s.order,
                                      "rows": [s.start, s.stop]} for s in runner.slices]
