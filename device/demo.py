@@ -34,14 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def local_servers(count: int, threads: int = 1) -> Iterator[list[str]]:
-    """Start ``count`` `deepco serve` processes on free loopback ports; stop them (SIGTERM) on exit."""
+def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
+    """Start ``count`` `deepco serve` processes on free loopback ports (``extra``: more flags); stop them
+    (SIGTERM) on exit."""
     procs: list[subprocess.Popen] = []
     addresses: list[str] = []
     try:
         for _ in range(count):
-            proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", "--threads", str(threads)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", "--threads", str(threads),
+                                     *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             procs.append(proc)
             line = proc.stdout.readline()
             match = LISTENING.search(line)

@@ -21,10 +21,12 @@ import re
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 
@@ -42,6 +44,7 @@ PROBE_BYTES = 1 << 20
 PROBE_SECONDS = 0.5  # how often a down server is asked whether it is back
 MIN_DEADLINE = 2.0  # seconds a slice may always take (start-up hiccups, a slow first run)
 DEADLINE_FACTOR = 10.0  # ... or this many times the plan's frame time, if longer
+BUSY_BACKOFF = 0.02  # first pause (s) when every server answers RESOURCE_EXHAUSTED; doubles up to 0.5 s
 DRIFT_THRESHOLD = 0.5  # replan when a server or link is this much (50%) off the plan ...
 DRIFT_SAMPLES = 5  # ... for this many slices in a row, all in the same direction
 
@@ -196,7 +199,7 @@ class Device:
         device_rate = p.total_flops / _median_seconds(lambda: whole.run(None, {self.input_name: x}))
         reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
         ref_head, _ = p.split(reference)
-        ref_name = f"{self.tag}-probe"
+        ref_name = f"{self.tag}-probe-{uuid.uuid4().hex[:8]}"  # other devices may probe the same servers
         rates = {}
         for k, srv in enumerate(self.cluster.servers):
             c = self.client(k, 0)
@@ -350,27 +353,42 @@ class Device:
                          f"{', '.join(sorted({s.name for s in self.active_plan.slices}))}")
 
     def _recover(self, frame: _Frame, s, failed: str) -> tuple[np.ndarray, ServerTiming]:
-        """Compute rows [s.start, s.stop) again on the fastest live server (the frame must not be lost)."""
+        """Compute rows [s.start, s.stop) again on the fastest live server (the frame must not be lost).
+
+        A busy server (RESOURCE_EXHAUSTED: back-pressure, not a failure) is skipped, and when every live
+        server is busy the device backs off and tries again, until the frame's deadline has passed twice."""
         index = {srv.name: k for k, srv in enumerate(self.cluster.servers)}
         cost = self.slice_cost(s.start, s.stop)
         a, b = cost.input_rows
         rates = self.measured.server_flops_per_second
-        for name in sorted((n for n in rates if n not in self.down), key=lambda n: -rates[n]):
-            timing = ServerTiming(name, 0, (s.start, s.stop), recovered_from=failed)
-            sent = time.perf_counter()
-            timing.send_start = sent - frame.start
-            try:
-                handle = self.client(index[name], 0).start_run(
-                    self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])},
-                    timeout=self._deadline(frame.plan) * 2)
-                timing.transfer = time.perf_counter() - sent
-                outputs, compute, queued = handle.result()
-            except ServerError as exc:
-                self._mark_down(name, f"{exc.code.name}: {exc.details}", frame.plan.algorithm)
-                continue
-            self._close_timing(frame, timing, compute, queued)
-            return next(iter(outputs.values())), timing
-        raise UserError(f"rows {s.start}-{s.stop} could not be computed: no live server left")
+        give_up = time.perf_counter() + 2 * self._deadline(frame.plan)
+        pause = BUSY_BACKOFF
+        while True:
+            busy = False
+            for name in sorted((n for n in rates if n not in self.down), key=lambda n: -rates[n]):
+                timing = ServerTiming(name, 0, (s.start, s.stop), recovered_from=failed)
+                sent = time.perf_counter()
+                timing.send_start = sent - frame.start
+                try:
+                    handle = self.client(index[name], 0).start_run(
+                        self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])},
+                        timeout=self._deadline(frame.plan) * 2)
+                    timing.transfer = time.perf_counter() - sent
+                    outputs, compute, queued = handle.result()
+                except ServerError as exc:
+                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        busy = True
+                    else:
+                        self._mark_down(name, f"{exc.code.name}: {exc.details}", frame.plan.algorithm)
+                    continue
+                self._close_timing(frame, timing, compute, queued)
+                return next(iter(outputs.values())), timing
+            if not busy or time.perf_counter() + pause > give_up:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        why = "every live server stayed busy" if busy else "no live server left"
+        raise UserError(f"rows {s.start}-{s.stop} could not be computed: {why}")
 
     def _watch_drift(self, s, timing: ServerTiming, algorithm: str) -> None:
         """Online re-profiling: a server computing, or an antenna sending, persistently off the plan by more
@@ -453,7 +471,8 @@ class Device:
                 done.put(frame)
 
         def failed(frame: _Frame, s, exc: ServerError) -> None:
-            self._mark_down(s.name, f"{exc.code.name}: {exc.details}", algorithm)
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is back-pressure, not a failure
+                self._mark_down(s.name, f"{exc.code.name}: {exc.details}", algorithm)
             try:
                 piece, timing = self._recover(frame, s, s.name)
             except UserError as err:
