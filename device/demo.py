@@ -99,10 +99,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"demo: EMULATED links: {args.antennas} antenna(s) at {args.bandwidth:g} Mbit/s each, by app-level "
                   "pacing on loopback; all servers share this machine's cores", flush=True)
             cluster = write_cluster(Path(tmp) / "cluster.toml", addresses, args.antennas, args.bandwidth)
-            run_args = argparse.Namespace(
-                cluster=str(cluster), model=args.model, input_size=args.input_size, source=str(clip),
-                frames=args.frames, algorithm=args.algorithm, cut="auto", weights=None, pace=True, depth=2,
-                save_outputs=args.save_outputs, json_log=args.json_log, quiet=False)
-            code = run_command.run(run_args)
+            # exactly what `deepco run` would parse, so every flag it has gets its default
+            parser = argparse.ArgumentParser()
+            run_command.add_arguments(parser)
+            argv = ["--cluster", str(cluster), "--model", args.model, "--input-size", args.input_size,
+                    "--source", str(clip), "--frames", str(args.frames), "--algorithm", args.algorithm, "--pace"]
+            argv += ["--save-outputs", args.save_outputs] if args.save_outputs else []
+            argv += ["--json-log", args.json_log] if args.json_log else []
+            code = run_command.run(parser.parse_args(argv))
         print("demo: servers stopped", flush=True)
     return code
