@@ -68,6 +68,7 @@ def test_killing_a_server_mid_run_loses_no_frame(tmp_path, model):
     records = lines(log)
     assert [r["frame"] for r in records] == list(range(FRAMES)) and all(r["error"] is None for r in records)
     assert "server s1 down" in out
+    print("\n" + next(line for line in out.splitlines() if "server s1 down" in line))
 
     recovered = [r for r in records if any(s["recovered_from"] == "s1" for s in r["servers"])]
     after = [r for r in records[killed_after + len(recovered) + 2:]]
