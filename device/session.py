@@ -49,12 +49,6 @@ DRIFT_THRESHOLD = 0.5  # replan when a server or link is this much (50%) off the
 DRIFT_SAMPLES = 5  # ... for this many slices in a row, all in the same direction
 
 
-def _ready_request():
-    from deepco.wire import inference_pb2
-
-    return inference_pb2.ServerReadyRequest()
-
-
 def _session(model_bytes: bytes, threads: int = 0) -> ort.InferenceSession:
     options = ort.SessionOptions()
     if threads:
@@ -339,7 +333,7 @@ class Device:
             for name in sorted(self.down):
                 client = self.client(index[name], 0)
                 try:
-                    if not client._call(client.inference.ServerReady, _ready_request(), timeout=1.0).ready:
+                    if not client.server_ready(timeout=1.0):
                         continue
                     if self.head_name not in client.loaded_models():
                         client.load_model(self._head_bytes, self.head_name)

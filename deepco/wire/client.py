@@ -114,9 +114,9 @@ class InferenceClient:
         """ServerLive."""
         return self._call(self.inference.ServerLive, pb.ServerLiveRequest()).live
 
-    def server_ready(self) -> bool:
-        """ServerReady."""
-        return self._call(self.inference.ServerReady, pb.ServerReadyRequest()).ready
+    def server_ready(self, timeout: float | None = None) -> bool:
+        """ServerReady (``timeout``: seconds for this call, default the client's)."""
+        return self._call(self.inference.ServerReady, pb.ServerReadyRequest(), timeout=timeout).ready
 
     def server_metadata(self) -> dict[str, Any]:
         """ServerMetadata as a dict: name, version, extensions, and the ``key=value`` extensions parsed
