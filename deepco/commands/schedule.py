@@ -3,6 +3,11 @@
 The workload is a real trace (``--format alibaba|gavel|tiresias``, detected from the file when omitted) or
 synthetic (``--format synthetic``, the default when ``--trace`` is omitted), in which case ``--trace`` may
 name the seed whose ranges to use, ``she`` (default) or ``wang``, and ``--horizon`` sets the arrival span.
+
+``--policy okita|okita-fifo|okita-drf|okita-oasis`` runs Okita's cost model instead (``deepco.scheduling.okita``):
+the cluster's edge sites with their servers' resources and the [[links]] costs, and synthetic jobs with the
+paper's ranges (or a trace's arrivals and sizes); the JSON rows add ``total_cost`` and ``bandwidth_cost``.
+``--policy deep-edge`` plans one model update (``deepco.scheduling.deep_edge``) over the cluster's servers.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from deepco.scheduling.topology import usable
 from deepco.scheduling.traces import FORMATS, TraceError, load_trace
 
 ALL = "all"
+UDL = ("okita", "okita-fifo", "okita-drf", "okita-oasis")
+DEEP_EDGE = "deep-edge"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace file; with --format synthetic: omitted, or 'she'/'wang' for the seed's ranges")
     p.add_argument("--format", choices=[*FORMATS, "synthetic"], help="trace format (default: detected)")
     p.add_argument("--jobs", type=int, metavar="N", help="first N jobs by arrival (synthetic: default 100)")
-    p.add_argument("--policy", default=ALL, choices=[*POLICIES, ALL], help="policy to run (default: all)")
+    p.add_argument("--policy", default=ALL, choices=[*POLICIES, *UDL, DEEP_EDGE, ALL],
+                   help="policy to run (default: all = the JCT policies; okita* and deep-edge run on their own)")
     p.add_argument("--seed", type=int, default=0, help="seed for filled-in job parameters and delays")
     p.add_argument("--horizon", type=int, default=100,
                    help="synthetic: jobs arrive in [1, horizon / 1.5] slots (default 100)")
@@ -41,6 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace seconds per slot (default 3600: one hour, as in the seeds)")
     p.add_argument("--gang", choices=GANGS, default="demand",
                    help="gang of the job-level baselines: the trace's GPU demand (default) or all D_j chunks")
+    p.add_argument("--latency-cost", choices=("sigmoid", "linear", "piecewise"), default="sigmoid",
+                   help="okita: the jobs' latency cost function (default sigmoid: tau e^(0.25 t))")
+    p.add_argument("--block-sites", metavar="NAMES",
+                   help="okita: comma-separated sites where no training may run (e.g. whose inference would "
+                        "miss its SLO with training beside it; see deepco.scheduling.deep_edge.sites_to_protect)")
+    p.add_argument("--samples", type=int, default=2000, help="deep-edge: data samples of the model update")
+    p.add_argument("--slo-ms", type=float, help="deep-edge: the inference SLO (default: the profile's)")
+    p.add_argument("--profile", metavar="FILE", help="deep-edge: profile JSON (default: the committed one)")
     p.add_argument("--json", metavar="FILE", help="write {\"results\": [...]} to FILE")
     p.add_argument("--plot", metavar="FILE", help="write a PNG: average JCT per policy and the JCT CDF")
 
@@ -130,8 +146,78 @@ def plot(results: list[SimResult], path: str) -> None:
         plt.close(fig)
 
 
+def _write_json(path: str, rows: list[dict[str, object]]) -> None:
+    try:
+        Path(path).write_text(json.dumps({"results": rows}, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write: {exc.strerror}") from None
+
+
+def run_udl_policy(args: argparse.Namespace) -> int:
+    """``--policy okita*``: Okita's cost model on the cluster's sites."""
+    import numpy as np
+
+    from deepco.scheduling.okita import UDL_POLICIES, UdlError, UdlInstance, run_udl
+    from deepco.scheduling.okita.workloads import cluster_sites, fit_jobs, random_job, trace_jobs
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
+    cap, q, names = cluster_sites(load_cluster(args.cluster))
+    rng = np.random.default_rng(args.seed)
+    if args.trace is None or args.format == "synthetic":
+        if args.horizon < 2:
+            raise UserError(f"--horizon must be >= 2, got {args.horizon}")
+        arrivals = np.sort(rng.integers(0, max(1, 2 * args.horizon // 3), size=args.jobs or 100))
+        jobs = [random_job(rng, i, int(a), len(names), args.latency_cost) for i, a in enumerate(arrivals)]
+    else:
+        fmt = args.format or detect_format(Path(args.trace))
+        jobs = trace_jobs(args.trace, fmt, len(names), args.jobs, rng, slot_seconds=args.slot_seconds,
+                          kind=args.latency_cost)
+    fit_jobs(jobs, cap)
+    inst = UdlInstance(capacity=cap, q=q, jobs=jobs, site_names=names)
+    policy = UDL_POLICIES[args.policy](args.seed)
+    if args.block_sites:
+        if args.policy != "okita":
+            raise UserError("--block-sites applies to --policy okita only")
+        unknown = [n for n in args.block_sites.split(",") if n not in names]
+        if unknown:
+            raise UserError(f"--block-sites: unknown site {unknown[0]!r} (sites: {', '.join(names)})")
+        from deepco.scheduling.okita import Okita
+
+        policy = Okita(blocked=frozenset(names.index(n) for n in args.block_sites.split(",")))
+    t0 = time.perf_counter()
+    try:
+        res = run_udl(inst, policy)
+    except UdlError as exc:
+        raise UserError(str(exc)) from None
+    row = {**res.to_dict(), "wall_seconds": time.perf_counter() - t0}
+    print(f"{'policy':<12} {'jobs':>5} {'total cost':>12} {'bandwidth':>11} {'latency':>11} {'avg JCT':>8} "
+          f"{'makespan':>8}")
+    print(f"{row['policy']:<12} {row['jobs']:>5} {row['total_cost']:>12.1f} {row['bandwidth_cost']:>11.1f} "
+          f"{row['latency_cost']:>11.1f} {row['avg_jct']:>8.2f} {row['makespan']:>8}")
+    if args.json:
+        _write_json(args.json, [row])
+    return 0
+
+
+def run_deep_edge(args: argparse.Namespace) -> int:
+    """``--policy deep-edge``: plan one model update over the cluster's servers (Alg. 1 of Deep-Edge)."""
+    from deepco.scheduling.deep_edge import plan_from_cluster
+
+    plan = plan_from_cluster(load_cluster(args.cluster), samples=args.samples, slo_ms=args.slo_ms,
+                             profile=args.profile)
+    print(plan.table())
+    if args.json:
+        _write_json(args.json, [plan.to_dict()])
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, simulate every requested policy on the same jobs, print, and write JSON/plot."""
+    if args.policy in UDL:
+        return run_udl_policy(args)
+    if args.policy == DEEP_EDGE:
+        return run_deep_edge(args)
     cluster = SimCluster.from_cluster(load_cluster(args.cluster))
     jobs = load_jobs(args, cluster)
     bind_delays(jobs, cluster, seed=args.seed)
