@@ -15,7 +15,6 @@ flight, so frame k+1's transfers overlap frame k's computation.
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import re
 import statistics
@@ -24,7 +23,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -38,6 +36,7 @@ from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, as
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
+from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
 PROBE_BYTES = 1 << 20
@@ -63,75 +62,6 @@ def _median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-@dataclass
-class Measurements:
-    """What setup measured: server and device speeds, antenna bandwidths, per-request overhead."""
-
-    server_flops_per_second: dict[str, float]
-    antenna_bytes_per_second: list[float]
-    request_overhead: float
-    device_flops_per_second: float
-    paced: bool
-
-    def to_dict(self) -> dict:
-        """JSON form."""
-        return {"server_flops_per_second": self.server_flops_per_second,
-                "antenna_bytes_per_second": self.antenna_bytes_per_second,
-                "request_overhead": self.request_overhead,
-                "device_flops_per_second": self.device_flops_per_second, "paced": self.paced}
-
-
-@dataclass
-class ServerTiming:
-    """One slice of one frame, measured on the device (seconds from the frame's start)."""
-
-    name: str
-    antenna: int
-    rows: tuple[int, int]
-    send_start: float = 0.0
-    transfer: float = 0.0  # until the server reported the whole slice received (see `collect`)
-    queue: float = 0.0  # server side, waiting for a compute slot
-    compute: float = 0.0  # server side, ONNX Runtime
-    back: float = 0.0  # the rest: result serialisation and return transfer
-    finish: float = 0.0
-    recovered_from: str | None = None  # these rows were first sent to that server, which failed
-
-
-@dataclass
-class FrameResult:
-    """One frame's output (or error) and its timeline."""
-
-    index: int
-    output: np.ndarray | None = None
-    error: str | None = None
-    latency: float = 0.0
-    dispatch: float = 0.0  # from the last slice's return to the start of stitching (thread hand-over)
-    stitch: float = 0.0
-    tail: float = 0.0
-    servers: list[ServerTiming] = field(default_factory=list)
-
-    def log_record(self, predicted: float) -> dict:
-        """The --json-log line of this frame."""
-        return {"frame": self.index, "latency": self.latency, "predicted": predicted, "error": self.error,
-                "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
-                "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
-                             "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
-                             "finish": s.finish, "recovered_from": s.recovered_from} for s in self.servers]}
-
-
-@dataclass
-class _Frame:
-    index: int
-    x: np.ndarray
-    start: float
-    remaining: int
-    plan: RowPlan
-    pieces: dict[int, np.ndarray] = field(default_factory=dict)
-    timings: dict[int, ServerTiming] = field(default_factory=dict)
-    error: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Device:
@@ -346,7 +276,7 @@ class Device:
                 self.log(f"server {name} is back; replanned on "
                          f"{', '.join(sorted({s.name for s in self.active_plan.slices}))}")
 
-    def _recover(self, frame: _Frame, s, failed: str) -> tuple[np.ndarray, ServerTiming]:
+    def _recover(self, frame: InFlightFrame, s, failed: str) -> tuple[np.ndarray, ServerTiming]:
         """Compute rows [s.start, s.stop) again on the fastest live server (the frame must not be lost).
 
         A busy server (RESOURCE_EXHAUSTED: back-pressure, not a failure) is skipped, and when every live
@@ -423,7 +353,7 @@ class Device:
         return max(MIN_DEADLINE, DEADLINE_FACTOR * plan.frame_time)
 
     @staticmethod
-    def _close_timing(frame: _Frame, timing: ServerTiming, compute: float, queued: float) -> None:
+    def _close_timing(frame: InFlightFrame, timing: ServerTiming, compute: float, queued: float) -> None:
         timing.finish = time.perf_counter() - frame.start
         timing.compute, timing.queue = compute, queued
         # The "received" event reaches us a little after the server started computing (it shares the
@@ -446,13 +376,13 @@ class Device:
         depth = depth or self.depth
         index = {s.name: k for k, s in enumerate(self.cluster.servers)}
         antennas = range(len(self.cluster.device.antennas))
-        done: queue.Queue[_Frame] = queue.Queue()
+        done: queue.Queue[InFlightFrame] = queue.Queue()
         slots = threading.Semaphore(depth)
         senders: dict[int, queue.Queue] = {m: queue.Queue() for m in antennas}
         pool = ThreadPoolExecutor(max_workers=4 + 2 * len(self.cluster.servers))
         stop = threading.Event()
 
-        def settle(frame: _Frame, s, piece: np.ndarray | None, timing: ServerTiming | None, error: str | None):
+        def settle(frame: InFlightFrame, s, piece: np.ndarray | None, timing: ServerTiming | None, error: str | None):
             with frame.lock:
                 if error is not None:
                     frame.error = frame.error or error
@@ -464,7 +394,7 @@ class Device:
             if last:
                 done.put(frame)
 
-        def failed(frame: _Frame, s, exc: ServerError) -> None:
+        def failed(frame: InFlightFrame, s, exc: ServerError) -> None:
             if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is back-pressure, not a failure
                 self._mark_down(s.name, f"{exc.code.name}: {exc.details}", algorithm)
             try:
@@ -474,7 +404,7 @@ class Device:
                 return
             settle(frame, s, piece, timing, None)
 
-        def collect(frame: _Frame, s, handle, timing: ServerTiming) -> None:
+        def collect(frame: InFlightFrame, s, handle, timing: ServerTiming) -> None:
             try:
                 outputs, compute, queued = handle.result()
             except ServerError as exc:
@@ -524,7 +454,7 @@ class Device:
                     slots.acquire()
                     with self._health:
                         current = self.active_plan
-                    frame = _Frame(count, x, time.perf_counter(), len(current.slices), current)
+                    frame = InFlightFrame(count, x, time.perf_counter(), len(current.slices), current)
                     count += 1
                     for m in antennas:
                         senders[m].put(frame)
@@ -566,7 +496,7 @@ class Device:
         if feeder_error:
             raise feeder_error[0]
 
-    def _finish(self, frame: _Frame, order) -> FrameResult:
+    def _finish(self, frame: InFlightFrame, order) -> FrameResult:
         result = FrameResult(frame.index)
         result.servers = [frame.timings[k] for k in sorted(frame.timings)]
         if frame.error is not None:
@@ -586,14 +516,3 @@ class Device:
         result.stitch, result.tail = mid - start, end - mid
         result.latency = end - frame.start
         return result
-
-
-@contextlib.contextmanager
-def device_session(*args, **kwargs) -> Iterator[Device]:
-    """``with device_session(cluster, model, h, w, ...) as dev:`` a Device that is set up and closed."""
-    dev = Device(*args, **kwargs)
-    try:
-        dev.setup()
-        yield dev
-    finally:
-        dev.close()

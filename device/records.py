@@ -1,0 +1,81 @@
+"""What the device records: the measurements setup made, and each frame's result and timeline."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deepco.planning.rows import RowPlan
+
+
+@dataclass
+class Measurements:
+    """What setup measured: server and device speeds, antenna bandwidths, per-request overhead."""
+
+    server_flops_per_second: dict[str, float]
+    antenna_bytes_per_second: list[float]
+    request_overhead: float
+    device_flops_per_second: float
+    paced: bool
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return {"server_flops_per_second": self.server_flops_per_second,
+                "antenna_bytes_per_second": self.antenna_bytes_per_second,
+                "request_overhead": self.request_overhead,
+                "device_flops_per_second": self.device_flops_per_second, "paced": self.paced}
+
+
+@dataclass
+class ServerTiming:
+    """One slice of one frame, measured on the device (seconds from the frame's start)."""
+
+    name: str
+    antenna: int
+    rows: tuple[int, int]
+    send_start: float = 0.0
+    transfer: float = 0.0  # until the server reported the whole slice received (see `collect`)
+    queue: float = 0.0  # server side, waiting for a compute slot
+    compute: float = 0.0  # server side, ONNX Runtime
+    back: float = 0.0  # the rest: result serialisation and return transfer
+    finish: float = 0.0
+    recovered_from: str | None = None  # these rows were first sent to that server, which failed
+
+
+@dataclass
+class FrameResult:
+    """One frame's output (or error) and its timeline."""
+
+    index: int
+    output: np.ndarray | None = None
+    error: str | None = None
+    latency: float = 0.0
+    dispatch: float = 0.0  # from the last slice's return to the start of stitching (thread hand-over)
+    stitch: float = 0.0
+    tail: float = 0.0
+    servers: list[ServerTiming] = field(default_factory=list)
+
+    def log_record(self, predicted: float) -> dict:
+        """The --json-log line of this frame."""
+        return {"frame": self.index, "latency": self.latency, "predicted": predicted, "error": self.error,
+                "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
+                "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
+                             "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
+                             "finish": s.finish, "recovered_from": s.recovered_from} for s in self.servers]}
+
+
+@dataclass
+class InFlightFrame:
+    """A frame between its first send and its stitching (the device's internal bookkeeping)."""
+
+    index: int
+    x: np.ndarray
+    start: float
+    remaining: int
+    plan: RowPlan
+    pieces: dict[int, np.ndarray] = field(default_factory=dict)
+    timings: dict[int, ServerTiming] = field(default_factory=dict)
+    error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
