@@ -99,3 +99,22 @@ def test_weak_server_that_would_get_a_negative_ratio_is_reordered_or_dropped():
                     bandwidths=(50.0,), data_size=1.0, prefetch_ratio=0.4)
     for algorithm in ("thread", "thread-sa", "optimal"):
         check_schedule(inst, make_plan(inst, algorithm))
+
+
+def test_ssp_keeps_looking_past_a_first_increase():
+    # T(top-n) by eq. (11), computed here from the formula: it rises from n=1 to n=2, then falls below
+    # T(1) at n=3. The paper's SSP would stop at one server; ours evaluates every prefix.
+    caps, b, ro = [72.0, 59.6, 58.1, 28.1], 146.6, 0.32
+
+    def t(n: int) -> float:
+        if n == 1:
+            return 1 / b + 1 / caps[0]
+        prod = math.prod(b + c for c in caps[:n])
+        merged = (prod - b**n) / b ** (n - 1)
+        return (1 + n * ro) * (1 / b + 1 / merged)
+
+    assert t(2) > t(1) > t(3)
+    inst = Instance(names=("w", "x", "y", "z"), capacities=(28.1, 72.0, 59.6, 58.1), antenna_names=("a0",),
+                    bandwidths=(b,), data_size=1.0, prefetch_ratio=ro)
+    plan = make_plan(inst, "thread-sa")
+    assert len(plan.servers) == 3 and plan.completion_time == pytest.approx(t(3))
