@@ -312,6 +312,27 @@ class RowGraph:
                 need[name] = (rlo, rhi)
         return need
 
+    def exact_window(self, nodes: list[int], source: str, target: str, a: int, b: int, stride: int,
+                     flops: list[int]) -> tuple[int, int, tuple[int, int], int]:
+        """Running ``nodes`` on rows [start, stop) of ``source`` gives rows [a, b) of ``target`` exactly:
+        (start, stop, crop of the output, FLOPs computed). ``start`` is aligned down to ``stride``;
+        ``flops[i]`` is node i's FLOPs on the whole tensor. Checked by simulating the run forward: a window
+        the backward rules got wrong is refused, never returned."""
+        lo, hi = self.backward(nodes, target, a, b)[source]
+        start = lo - lo % stride
+        rows = self.forward(nodes, start, hi, source=source)
+        out = rows[target]
+        if not (out.valid_lo <= a and b <= out.valid_hi):
+            raise PartitionError(
+                f"internal: rows [{start}, {hi}) of {source!r} do not give rows [{a}, {b}) of {target!r} "
+                f"exactly (exact rows [{out.valid_lo}, {out.valid_hi}))"
+            )
+        computed = 0
+        for i in nodes:
+            tensor = self.nodes[i].output[0]
+            computed += flops[i] * rows[tensor].size // self.hw[tensor][0]
+        return start, hi, (a - out.offset, b - out.offset), computed
+
     def forward(self, head: list[int], start: int, stop: int, source: str | None = None) -> dict[str, Rows]:
         """Simulate running the head on image rows [start, stop): each tensor's rows and its exact part.
 

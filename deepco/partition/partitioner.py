@@ -218,28 +218,16 @@ class Partitioner:
     def cost(self, cut: str | Cut, a: int, b: int) -> SliceCost:
         """Rows, crop, bytes and FLOPs of the slice yielding output rows [a, b) at ``cut``."""
         c = self.cut(cut)
+        self._check_rows(c, a, b)
         g = self.graph
-        head = self._heads[c.tensor]
-        lo, hi = self.needed_input_rows(c, a, b)
-        start = lo - lo % c.stride
-        rows = g.forward(head, start, hi)
-        out = rows[c.tensor]
-        if not (out.valid_lo <= a and b <= out.valid_hi):
-            # cannot happen if the backward rules are sound; refuse rather than return a wrong slice
-            raise PartitionError(
-                f"internal: slice [{start}, {hi}) does not compute rows [{a}, {b}) of "
-                f"{c.name!r} exactly (exact rows [{out.valid_lo}, {out.valid_hi}))"
-            )
-        flops = 0
-        for i in head:
-            out_rows = g.hw[g.nodes[i].output[0]][0]
-            flops += self._flops[i] * rows[g.nodes[i].output[0]].size // out_rows
+        start, hi, crop, flops = g.exact_window(self._heads[c.tensor], g.input_name, c.tensor, a, b, c.stride,
+                                                self._flops)
         row_in = g.channels * self.width * g.itemsize
         row_out = c.channels * c.width * g.itemsize
         return SliceCost(
             output_rows=(a, b),
             input_rows=(start, hi),
-            crop=(a - out.offset, b - out.offset),
+            crop=crop,
             input_bytes=(hi - start) * row_in,
             output_bytes=(b - a) * row_out,
             flops=flops,

@@ -79,21 +79,9 @@ class Segment:
                 f"output rows [{a}, {b}) are not a non-empty part of [0, {self.height}) at segment {self.name!r}"
             )
         p = self.partitioner
-        g = p.graph
-        lo, hi = g.backward(self.nodes, self.target, a, b)[self.source]
-        start = lo - lo % self.stride
-        rows = g.forward(self.nodes, start, hi, source=self.source)
-        out = rows[self.target]
-        if not (out.valid_lo <= a and b <= out.valid_hi):
-            raise PartitionError(
-                f"internal: rows [{start}, {hi}) of {self.source!r} do not give rows [{a}, {b}) of segment "
-                f"{self.name!r} exactly (exact rows [{out.valid_lo}, {out.valid_hi}))"
-            )
-        flops = 0
-        for i in self.nodes:
-            tensor = g.nodes[i].output[0]
-            flops += p._flops[i] * rows[tensor].size // g.hw[tensor][0]
-        return Window(output_rows=(a, b), input_rows=(start, hi), crop=(a - out.offset, b - out.offset),
+        start, hi, crop, flops = p.graph.exact_window(self.nodes, self.source, self.target, a, b, self.stride,
+                                                      p._flops)
+        return Window(output_rows=(a, b), input_rows=(start, hi), crop=crop,
                       input_bytes=(hi - start) * self.in_row_bytes, output_bytes=(b - a) * self.row_bytes,
                       flops=flops)
 
