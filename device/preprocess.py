@@ -37,16 +37,27 @@ def preprocessing_for(model: str) -> Preprocessing:
     return PREPROCESSING.get(model, IMAGENET)
 
 
-def preprocess(frame: np.ndarray, height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
-    """A BGR uint8 frame -> a 1x3xHxW float32 tensor."""
+def pixels(frame: np.ndarray, height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
+    """A BGR uint8 frame -> the 1x3xHxW uint8 pixels the device sends (cropped, resized, in the model's
+    colour order); the normalisation is in the model's graph (deepco.partition.pixels)."""
     if how.center_crop:
         frame = center_crop(frame, width / height)
     resized = cv2.resize(frame, (width, height), interpolation=how.interpolation)
     if how.rgb:
         resized = cv2.cvtColor(resized, cv2.COLOR_BGR2RGB)
-    x = resized.astype(np.float32) * how.scale
-    x = (x - np.asarray(how.mean, np.float32)) / np.asarray(how.std, np.float32)
-    return np.ascontiguousarray(x.transpose(2, 0, 1)[None])
+    return np.ascontiguousarray(resized.transpose(2, 0, 1)[None])
+
+
+def normalise(px: np.ndarray, how: Preprocessing = IMAGENET) -> np.ndarray:
+    """The reference preprocessing of pixels: (p * scale - mean) / std in float32, NCHW."""
+    mean = np.asarray(how.mean, np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(how.std, np.float32).reshape(1, -1, 1, 1)
+    return np.ascontiguousarray((px.astype(np.float32) * np.float32(how.scale) - mean) / std)
+
+
+def preprocess(frame: np.ndarray, height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
+    """A BGR uint8 frame -> a 1x3xHxW float32 tensor (what the unpartitioned model takes)."""
+    return normalise(pixels(frame, height, width, how), how)
 
 
 def center_crop(frame: np.ndarray, aspect: float) -> np.ndarray:

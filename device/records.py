@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepco.planning.rows import RowPlan
+from deepco.planning.staged import Rates
 
 
 @dataclass
@@ -19,13 +20,25 @@ class Measurements:
     request_overhead: float
     device_flops_per_second: float
     paced: bool
+    peer_bytes_per_second: float = 0.0  # server to server (ProbePeer); 0: not measured (one server)
+    peer_overhead: float = 0.0
+    device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal a byte it sends
 
     def to_dict(self) -> dict:
         """JSON form."""
         return {"server_flops_per_second": self.server_flops_per_second,
                 "antenna_bytes_per_second": self.antenna_bytes_per_second,
                 "request_overhead": self.request_overhead,
-                "device_flops_per_second": self.device_flops_per_second, "paced": self.paced}
+                "device_flops_per_second": self.device_flops_per_second, "paced": self.paced,
+                "peer_bytes_per_second": self.peer_bytes_per_second, "peer_overhead": self.peer_overhead,
+                "device_seconds_per_byte": self.device_seconds_per_byte}
+
+    def rates(self) -> Rates:
+        """The staged planner's view of these measurements."""
+        peer = self.peer_bytes_per_second or max(self.antenna_bytes_per_second)
+        return Rates(dict(self.server_flops_per_second), list(self.antenna_bytes_per_second), self.request_overhead,
+                     self.device_flops_per_second, peer, self.peer_overhead or self.request_overhead,
+                     self.device_seconds_per_byte, self.paced)
 
 
 @dataclass

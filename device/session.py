@@ -36,6 +36,8 @@ from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, as
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
+from deepco.partition.pixels import with_pixel_input
+from device.preprocess import preprocessing_for
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
@@ -48,11 +50,23 @@ DRIFT_THRESHOLD = 0.5  # replan when a server or link is this much (50%) off the
 DRIFT_SAMPLES = 5  # ... for this many slices in a row, all in the same direction
 
 
-def _session(model_bytes: bytes, threads: int = 0) -> ort.InferenceSession:
+def _session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
+    """An ORT session for the device. One thread, no spinning: a camera has one weak core (under a CPU
+    quota, spinning threads burn the quota and throttle the whole process)."""
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def _marshal_seconds_per_byte(nbytes: int = 1 << 20) -> float:
+    """The device's own CPU time to encode and serialise one byte of a request (measured here, so under the
+    device's CPU share): a weak camera pays it for every slice it sends."""
+    from deepco.wire.tensors import encode_request
+
+    x = np.zeros((1, 1, 1, nbytes), np.uint8)
+    return _median_seconds(lambda: encode_request("probe", {"x": x}).SerializeToString(), runs=5) / nbytes
 
 
 def _median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
@@ -112,12 +126,17 @@ class Device:
 
     def setup(self) -> RowPlan:
         """Load, measure, plan and upload; returns the plan (also printed through ``log``)."""
-        self.model = load_model(self.model_spec, self.height, self.width, self.weights)
+        self.reference_model = load_model(self.model_spec, self.height, self.width, self.weights)
+        how = self.preprocessing = preprocessing_for(self.model_spec)
+        # the device sends uint8 pixels; the normalisation runs in the first stage's graph
+        self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
         self.partitioner = p = Partitioner(self.model, self.height, self.width)
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
+        if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
+            cuts = [c for c in cuts if c.head_flops >= 0.01 * p.total_flops] or cuts
         for k in range(len(self.cluster.servers)):
             self.client(k, 0).wait_ready(timeout=10.0)
-        x = np.zeros((1, 3, self.height, self.width), np.float32)
+        x = np.zeros((1, 3, self.height, self.width), np.uint8)
         whole = _session(self.model.SerializeToString())
         self.input_name = whole.get_inputs()[0].name
         device_rate = p.total_flops / _median_seconds(lambda: whole.run(None, {self.input_name: x}))
@@ -131,7 +150,9 @@ class Device:
             rates[srv.name] = reference.head_flops / c.profile(ref_name, x.shape, runs=3, warmup=1).seconds
             c.unload_model(ref_name)
         bandwidths, overhead = self._probe_links()
-        self.measured = Measurements(rates, bandwidths, overhead, device_rate, self.pace)
+        peer, peer_overhead = self._probe_peers()
+        self.measured = Measurements(rates, bandwidths, overhead, device_rate, self.pace, peer, peer_overhead,
+                                     _marshal_seconds_per_byte())
         plans = {c.name: self._plan_at(c, self.algorithm) for c in cuts}
         self.cut = min(cuts, key=lambda c: (plans[c.name].frame_time, -cuts.index(c)))
         self.plan = plans[self.cut.name]
@@ -162,13 +183,30 @@ class Device:
             overheads.append(small)
         return bandwidths, statistics.median(overheads)
 
+    def _probe_peers(self) -> tuple[float, float]:
+        """Server-to-server bandwidth and per-message overhead: the two strongest-listed servers probe each
+        other both ways (ProbePeer); (0, 0) with one server."""
+        servers = self.cluster.servers
+        if len(servers) < 2:
+            return 0.0, 0.0
+        samples = []
+        for a, b in ((0, 1), (1, 0)):
+            try:
+                small, large = self.client(a, 0).probe_peer(self.cluster.address_on(servers[b], 0), PROBE_BYTES)
+            except ServerError as exc:
+                self.log(f"peer probe {servers[a].name} -> {servers[b].name} failed ({exc}); "
+                         "assuming the antennas' bandwidth between servers")
+                return 0.0, 0.0
+            samples.append((PROBE_BYTES / max(large - small, 1e-6), small))
+        return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
     def _plan_at(self, cut: Cut, algorithm: str, exclude: set[str] | frozenset = frozenset()) -> RowPlan:
         m = self.measured
         assert m is not None
         p = self.partitioner
         nodes = [Node(s.name, m.server_flops_per_second[s.name]) for s in self.cluster.servers
                  if s.name not in exclude]
-        image_bytes = 3 * self.height * self.width * 4
+        image_bytes = 3 * self.height * self.width * p.graph.itemsize
         tail_time = cut.tail_flops / m.device_flops_per_second
 
         def bill(a: int, b: int) -> SliceBill:

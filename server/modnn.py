@@ -217,12 +217,28 @@ class Job:
     crops: list[list[int]]
     image: np.ndarray
     timeout: float
+    lookahead: bool = False  # `image` is this server's whole window for segment 1: no level-0 exchange
+    gather_to: int | None = None  # the server that gathers the last level and runs `tail` (None: the device)
+    tail: object | None = None  # LoadedModel
+
+    def receives(self, level: int) -> dict[int, tuple[int, int]]:
+        """Rows of ``level`` this server gets from each peer before segment ``level`` + 1."""
+        if level == 0 and self.lookahead:
+            return {}
+        return receives(self.bands, self.windows, level, self.me)
+
+    def sends(self, level: int) -> dict[int, tuple[int, int]]:
+        """Rows of ``level`` this server sends each peer before segment ``level`` + 1."""
+        if level == 0 and self.lookahead:
+            return {}
+        return sends(self.bands, self.windows, level, self.me)
 
     @property
     def threads(self) -> int:
         """Worker threads the job holds on this server: its ModnnRun and every feeding peer's stream."""
-        feeders = {peer for level in range(len(self.models))
-                   for peer in receives(self.bands, self.windows, level, self.me)}
+        feeders = {peer for level in range(len(self.models)) for peer in self.receives(level)}
+        if self.gather_to == self.me:
+            feeders |= set(range(len(self.peers))) - {self.me}
         return 1 + len(feeders)
 
 
@@ -270,11 +286,24 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry) -> Job:
         image, start = decode_rows(request.input, "ModnnRun input")
     except TensorError as exc:
         raise invalid(str(exc)) from None
-    a, b = bands[0][me]
+    a, b = windows[1][me] if request.lookahead else bands[0][me]
     if start != a or image.shape[2] != b - a:
+        what = "needs the window" if request.lookahead else "owns"
         raise invalid(f"ModnnRun: input holds rows [{start}, {start + image.shape[2]}) of the image, but server "
-                      f"{me} owns [{a}, {b})")
-    return Job(job, me, peers, models, bands, windows, crops, image, timeout)
+                      f"{me} {what} [{a}, {b})")
+    gather_to, tail = None, None
+    if request.gather_to:
+        if request.gather_to > len(peers):
+            raise invalid(f"ModnnRun: gather_to {request.gather_to} is not 1 + an index of the {len(peers)} peers")
+        gather_to = request.gather_to - 1
+        if gather_to == me:
+            if not request.tail_model:
+                raise invalid("ModnnRun: gather_to names this server but no tail_model is given")
+            tail = registry.get(request.tail_model)
+            if len(tail.inputs) != 1:
+                raise invalid(f"ModnnRun: tail model {tail.name!r} must have one input")
+    return Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
+               tail)
 
 
 class ModnnService:
@@ -292,6 +321,12 @@ class ModnnService:
         self.mailboxes = Mailboxes(threads=threads)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+
+    def peer_stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
+        """A stub to a peer server (checked address; the channel is reused)."""
+        if not address or len(address) > 256 or ":" not in address:
+            raise invalid(f"peer address must be host:port, got {address[:64]!r}")
+        return self._stub(address)
 
     def _stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
         # One channel per peer address, reused across jobs: a frame should not pay a TCP handshake per peer.
@@ -328,7 +363,7 @@ class ModnnService:
             for j, model in enumerate(job.models, start=1):
                 level = j - 1
                 own = job.bands[level][job.me]
-                for peer, (a, b) in sends(job.bands, job.windows, level, job.me).items():
+                for peer, (a, b) in job.sends(level).items():
                     if peer not in outgoing:
                         outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total)
                     piece = np.ascontiguousarray(band[:, :, a - own[0]:b - own[0]])
@@ -337,12 +372,14 @@ class ModnnService:
                     result.messages_sent += 1
                     result.bytes_sent += piece.nbytes
                 lo, hi = job.windows[j][job.me]
+                if j == 1 and job.lookahead:
+                    own = (lo, hi)  # the device sent the whole window
                 pieces: list[tuple[int, np.ndarray]] = []
                 mine = (max(lo, own[0]), min(hi, own[1]))
                 if mine[0] < mine[1]:
                     pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
                 waited = time.perf_counter()
-                for peer, (a, b) in receives(job.bands, job.windows, level, job.me).items():
+                for peer, (a, b) in job.receives(level).items():
                     array, start = self._wait(job, level, peer, outgoing, context)
                     if start != a or array.shape[2] != b - a or array.shape[:2] != band.shape[:2] \
                             or array.shape[3] != band.shape[3]:
@@ -372,15 +409,67 @@ class ModnnService:
                     raise invalid(f"MoDNN job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
                                   f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
                 band = y[:, :, crop:crop + b - a]
+            if job.gather_to is None:
+                result.output.CopyFrom(encode_rows(np.ascontiguousarray(band), job.bands[-1][job.me][0]))
+            elif job.gather_to != job.me:
+                self._send_band(job, band, outgoing, result, deadline_total)
+            else:
+                result.output.CopyFrom(encode_rows(self._gather_and_finish(job, band, outgoing, result, context),
+                                                   0))
             for out in outgoing.values():
                 out.finish(job.timeout)
-            result.output.CopyFrom(encode_rows(np.ascontiguousarray(band), job.bands[-1][job.me][0]))
             ok = True
             return result
         finally:
             if not ok:
                 for out in outgoing.values():
                     out.cancel()
+
+    def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.ModnnResult,
+                   deadline: float) -> None:
+        """This server's band of the last level, to the server that gathers it."""
+        peer, last = job.gather_to, len(job.models)
+        if peer not in outgoing:
+            outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline)
+        piece = np.ascontiguousarray(band)
+        outgoing[peer].send(dpb.RowsMessage(job_id=job.id, sender=job.me, level=last,
+                                            rows=encode_rows(piece, job.bands[-1][job.me][0])))
+        result.messages_sent += 1
+        result.bytes_sent += piece.nbytes
+
+    def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
+                           result: dpb.ModnnResult, context: grpc.ServicerContext) -> np.ndarray:
+        """Every peer's band of the last level, stitched with ours, through the tail model: the output."""
+        last = len(job.models)
+        pieces = [(job.bands[-1][job.me][0], band)]
+        waited = time.perf_counter()
+        for peer in range(len(job.peers)):
+            if peer == job.me:
+                continue
+            array, start = self._wait(job, last, peer, outgoing, context)
+            a, b = job.bands[-1][peer]
+            if start != a or array.shape[2] != b - a or array.shape[:2] != band.shape[:2] \
+                    or array.shape[3] != band.shape[3]:
+                raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
+                              f"{start + array.shape[2]}) shape {list(array.shape)} of the last level, "
+                              f"expected rows [{a}, {b})")
+            pieces.append((a, array))
+            result.messages_received += 1
+            result.bytes_received += array.nbytes
+        result.exchange_wait_seconds += time.perf_counter() - waited
+        pieces.sort(key=lambda p: p[0])
+        whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
+        tail = job.tail
+        queued = time.perf_counter()
+        with self.state.admission.waiting(job.timeout):
+            started = time.perf_counter()
+            tail.check_inputs({tail.inputs[0].name: whole})
+            output = tail.run({tail.inputs[0].name: whole}, [tail.outputs[0].name])[tail.outputs[0].name]
+            result.compute_seconds += time.perf_counter() - started
+        result.queue_seconds += started - queued
+        if output.ndim != 4:  # Rows carry NCHW; a classifier's (1, classes) output travels as (1, classes, 1, 1)
+            output = output.reshape(*output.shape, *([1] * (4 - output.ndim)))
+        return np.ascontiguousarray(output)
 
     def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
               context: grpc.ServicerContext) -> tuple[np.ndarray, int]:

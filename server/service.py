@@ -29,6 +29,9 @@ PROFILE_DEFAULT_RUNS = 10
 PROFILE_MAX_RUNS = 1000
 PROFILE_MAX_WARMUP = 100
 ECHO_MAX_REPLY = 64 << 20
+PROBE_MAX_BYTES = 16 << 20
+PROBE_MAX_RUNS = 10
+PROBE_TIMEOUT = 10.0
 # A slice queued behind the previous frame's slice (pipelining) waits this long for a compute slot.
 RUN_QUEUE_SECONDS = 30.0
 
@@ -232,6 +235,30 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         if request.reply_bytes > ECHO_MAX_REPLY:
             raise invalid(f"Echo: reply_bytes must be <= {ECHO_MAX_REPLY}, got {request.reply_bytes}")
         return dpb.EchoResponse(payload=bytes(request.reply_bytes))
+
+    @_statuses
+    def ProbePeer(self, request: dpb.ProbePeerRequest, context: grpc.ServicerContext) -> dpb.ProbePeerResponse:
+        if not 0 < request.bytes <= PROBE_MAX_BYTES:
+            raise invalid(f"ProbePeer: bytes must be in [1, {PROBE_MAX_BYTES}], got {request.bytes}")
+        runs = request.runs or 3
+        if runs > PROBE_MAX_RUNS:
+            raise invalid(f"ProbePeer: runs must be <= {PROBE_MAX_RUNS}, got {runs}")
+        stub = self.modnn.peer_stub(request.peer)
+
+        def median_of(payload: bytes) -> float:
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                try:
+                    stub.Echo(dpb.EchoRequest(payload=payload), timeout=PROBE_TIMEOUT)
+                except grpc.RpcError as exc:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                       f"ProbePeer: peer {request.peer} answered {exc.code().name}") from None
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        small = median_of(b"\0")
+        return dpb.ProbePeerResponse(small_seconds=small, large_seconds=median_of(bytes(request.bytes)))
 
     def ModnnRun(self, request: dpb.ModnnRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
         """MoDNN: this server's band of a frame, level by level with direct peer exchanges (server/modnn.py)."""

@@ -87,7 +87,9 @@ class RowGraph:
                     f"input {self.input_name!r} is fixed at {dims[2]}x{dims[3]}, not {height}x{width}"
                 )
         self.channels = dims[1] if isinstance(dims[1], int) and dims[1] > 0 else 3
+        # bytes of one element of the image input (1 for uint8 pixels) and of every tensor after it (float32)
         self.itemsize = onnx.helper.tensor_dtype_to_np_dtype(self.input.type.tensor_type.elem_type).itemsize
+        self.feature_itemsize = 4
         self.nodes = list(graph.node)
         self.outputs = [o.name for o in graph.output]
         self._spatial = self._image_dependent()

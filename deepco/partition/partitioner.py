@@ -223,7 +223,7 @@ class Partitioner:
         start, hi, crop, flops = g.exact_window(self._heads[c.tensor], g.input_name, c.tensor, a, b, c.stride,
                                                 self._flops)
         row_in = g.channels * self.width * g.itemsize
-        row_out = c.channels * c.width * g.itemsize
+        row_out = c.channels * c.width * g.feature_itemsize
         return SliceCost(
             output_rows=(a, b),
             input_rows=(start, hi),
@@ -298,10 +298,11 @@ class Partitioner:
         onnx.checker.check_model(model, full_check=True)
         return model
 
-    def segments(self, cut: str | Cut, models: bool = True) -> list[Segment]:
+    def segments(self, cut: str | Cut, models: bool = True, through: list[str] | None = None) -> list[Segment]:
         """The head of ``cut`` as consecutive segments between the cuts before it (MoDNN's levels; see
-        deepco.partition.segments): segment j maps level j-1 to level j, level 0 being the image."""
-        return make_segments(self, cut, models=models)
+        deepco.partition.segments), or only between the cuts ``through``: segment j maps level j-1 to level
+        j, level 0 being the image."""
+        return make_segments(self, cut, models=models, through=through)
 
     def tail_flops(self, cut: str | Cut) -> int:
         """FLOPs of everything after ``cut`` (run once, on the stitched cut tensor)."""

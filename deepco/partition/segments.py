@@ -93,16 +93,26 @@ def _row_bytes(p: Partitioner, tensor: str) -> int:
     shape = g.shapes.get(tensor)
     if not shape or len(shape) != 4:
         raise PartitionError(f"tensor {tensor!r} has no static 4-d shape")
-    return shape[1] * shape[3] * g.itemsize
+    return shape[1] * shape[3] * g.feature_itemsize
 
 
-def make_segments(p: Partitioner, cut: str | Cut, models: bool = False) -> list[Segment]:
-    """The segments of the head of ``cut``: one per listed cut up to and including it (see the module doc)."""
+def make_segments(p: Partitioner, cut: str | Cut, models: bool = False,
+                  through: list[str] | None = None) -> list[Segment]:
+    """The segments of the head of ``cut``: one per listed cut up to and including it (see the module doc),
+    or, with ``through`` (cut names before ``cut``, in order), one per stretch between those cuts only: a
+    fused stage of several blocks is one segment."""
     c = p.cut(cut)
     g = p.graph
     position = g.producer[c.tensor]
-    tensors = [x.tensor for x in p.cuts if g.producer[x.tensor] < position] + [c.tensor]
-    names = [x.name for x in p.cuts if g.producer[x.tensor] < position] + [c.name]
+    if through is None:
+        chosen = [x for x in p.cuts if g.producer[x.tensor] < position]
+    else:
+        chosen = [p.cut(name) for name in through]
+        order = [g.producer[x.tensor] for x in chosen]
+        if order != sorted(set(order)) or (order and order[-1] >= position):
+            raise PartitionError(f"stage boundaries {through} are not distinct cuts in order before {c.name!r}")
+    tensors = [x.tensor for x in chosen] + [c.tensor]
+    names = [x.name for x in chosen] + [c.name]
     levels = [g.input_name, *tensors]
     extractor = None
     if models:

@@ -221,3 +221,8 @@ class InferenceClient:
         reply = self._call(self.deepco.Profile,
                            dpb.ProfileRequest(model_name=name, shape=list(shape), runs=runs, warmup=warmup))
         return ProfileResult(reply.seconds, tuple(reply.run_seconds), reply.execution_provider)
+
+    def probe_peer(self, peer: str, nbytes: int, runs: int = 3) -> tuple[float, float]:
+        """(small, large): seconds for this server to Echo 1 byte and ``nbytes`` bytes to server ``peer``."""
+        reply = self._call(self.deepco.ProbePeer, dpb.ProbePeerRequest(peer=peer, bytes=nbytes, runs=runs))
+        return reply.small_seconds, reply.large_seconds

@@ -26,41 +26,45 @@ _sym_db = _symbol_database.Default()
 from deepco.wire import inference_pb2 as inference__pb2
 
 
-DESCRIPTOR = _deepco_pool.POOL.AddSerializedFile(b'\n\x14\x64\x65\x65pco_service.proto\x12\x06\x64\x65\x65pco\x1a\x0finference.proto\"\x8e\x01\n\x08RunEvent\x12\'\n\x08received\x18\x01 \x01(\x0b\x32\x13.deepco.RunReceivedH\x00\x12#\n\x06result\x18\x02 \x01(\x0b\x32\x11.deepco.RunResultH\x00\x12+\n\x0cmodnn_result\x18\x03 \x01(\x0b\x32\x13.deepco.ModnnResultH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bRunReceived\"l\n\tRunResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Q\n\x0eProfileRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04runs\x18\x03 \x01(\r\x12\x0e\n\x06warmup\x18\x04 \x01(\r\"S\n\x0fProfileResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x13\n\x0brun_seconds\x18\x02 \x03(\x01\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\"D\n\x04Rows\x12\x10\n\x08\x64\x61tatype\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05start\x18\x04 \x01(\x03\"\'\n\x08RowRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"]\n\nModnnLevel\x12\x1f\n\x05owned\x18\x01 \x03(\x0b\x32\x10.deepco.RowRange\x12 \n\x06window\x18\x02 \x03(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x03(\x03\"\xbe\x01\n\x0cModnnRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0esegment_models\x18\x02 \x03(\t\x12\x14\n\x0cserver_index\x18\x03 \x01(\r\x12\r\n\x05peers\x18\x04 \x03(\t\x12\"\n\x06levels\x18\x05 \x03(\x0b\x32\x12.deepco.ModnnLevel\x12\x1b\n\x05input\x18\x06 \x01(\x0b\x32\x0c.deepco.Rows\x12 \n\x18\x65xchange_timeout_seconds\x18\x07 \x01(\x01\"\xd8\x01\n\x0bModnnResult\x12\x1c\n\x06output\x18\x01 \x01(\x0b\x32\x0c.deepco.Rows\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x65xchange_wait_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x19\n\x11messages_received\x18\x05 \x01(\r\x12\x15\n\rmessages_sent\x18\x06 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\"X\n\x0bRowsMessage\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\r\n\x05level\x18\x03 \x01(\r\x12\x1a\n\x04rows\x18\x04 \x01(\x0b\x32\x0c.deepco.Rows\"\x1f\n\x0b\x45xchangeAck\x12\x10\n\x08messages\x18\x01 \x01(\r2\xb4\x02\n\rDeepcoService\x12<\n\x07Profile\x12\x16.deepco.ProfileRequest\x1a\x17.deepco.ProfileResponse\"\x00\x12\x39\n\x03Run\x12\x1c.inference.ModelInferRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12\x33\n\x04\x45\x63ho\x12\x13.deepco.EchoRequest\x1a\x14.deepco.EchoResponse\"\x00\x12\x36\n\x08ModnnRun\x12\x14.deepco.ModnnRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12=\n\rModnnExchange\x12\x13.deepco.RowsMessage\x1a\x13.deepco.ExchangeAck\"\x00(\x01\x62\x06proto3')
+DESCRIPTOR = _deepco_pool.POOL.AddSerializedFile(b'\n\x14\x64\x65\x65pco_service.proto\x12\x06\x64\x65\x65pco\x1a\x0finference.proto\"=\n\x10ProbePeerRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\r\x12\x0c\n\x04runs\x18\x03 \x01(\r\"A\n\x11ProbePeerResponse\x12\x15\n\rsmall_seconds\x18\x01 \x01(\x01\x12\x15\n\rlarge_seconds\x18\x02 \x01(\x01\"\x8e\x01\n\x08RunEvent\x12\'\n\x08received\x18\x01 \x01(\x0b\x32\x13.deepco.RunReceivedH\x00\x12#\n\x06result\x18\x02 \x01(\x0b\x32\x11.deepco.RunResultH\x00\x12+\n\x0cmodnn_result\x18\x03 \x01(\x0b\x32\x13.deepco.ModnnResultH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bRunReceived\"l\n\tRunResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Q\n\x0eProfileRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04runs\x18\x03 \x01(\r\x12\x0e\n\x06warmup\x18\x04 \x01(\r\"S\n\x0fProfileResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x13\n\x0brun_seconds\x18\x02 \x03(\x01\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\"D\n\x04Rows\x12\x10\n\x08\x64\x61tatype\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05start\x18\x04 \x01(\x03\"\'\n\x08RowRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"]\n\nModnnLevel\x12\x1f\n\x05owned\x18\x01 \x03(\x0b\x32\x10.deepco.RowRange\x12 \n\x06window\x18\x02 \x03(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x03(\x03\"\xf8\x01\n\x0cModnnRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0esegment_models\x18\x02 \x03(\t\x12\x14\n\x0cserver_index\x18\x03 \x01(\r\x12\r\n\x05peers\x18\x04 \x03(\t\x12\"\n\x06levels\x18\x05 \x03(\x0b\x32\x12.deepco.ModnnLevel\x12\x1b\n\x05input\x18\x06 \x01(\x0b\x32\x0c.deepco.Rows\x12 \n\x18\x65xchange_timeout_seconds\x18\x07 \x01(\x01\x12\x11\n\tlookahead\x18\x08 \x01(\x08\x12\x11\n\tgather_to\x18\t \x01(\r\x12\x12\n\ntail_model\x18\n \x01(\t\"\xd8\x01\n\x0bModnnResult\x12\x1c\n\x06output\x18\x01 \x01(\x0b\x32\x0c.deepco.Rows\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x65xchange_wait_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x19\n\x11messages_received\x18\x05 \x01(\r\x12\x15\n\rmessages_sent\x18\x06 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\"X\n\x0bRowsMessage\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\r\n\x05level\x18\x03 \x01(\r\x12\x1a\n\x04rows\x18\x04 \x01(\x0b\x32\x0c.deepco.Rows\"\x1f\n\x0b\x45xchangeAck\x12\x10\n\x08messages\x18\x01 \x01(\r2\xf8\x02\n\rDeepcoService\x12<\n\x07Profile\x12\x16.deepco.ProfileRequest\x1a\x17.deepco.ProfileResponse\"\x00\x12\x39\n\x03Run\x12\x1c.inference.ModelInferRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12\x33\n\x04\x45\x63ho\x12\x13.deepco.EchoRequest\x1a\x14.deepco.EchoResponse\"\x00\x12\x36\n\x08ModnnRun\x12\x14.deepco.ModnnRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12=\n\rModnnExchange\x12\x13.deepco.RowsMessage\x1a\x13.deepco.ExchangeAck\"\x00(\x01\x12\x42\n\tProbePeer\x12\x18.deepco.ProbePeerRequest\x1a\x19.deepco.ProbePeerResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepco_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNEVENT']._serialized_start=50
-  _globals['_RUNEVENT']._serialized_end=192
-  _globals['_RUNRECEIVED']._serialized_start=194
-  _globals['_RUNRECEIVED']._serialized_end=207
-  _globals['_RUNRESULT']._serialized_start=209
-  _globals['_RUNRESULT']._serialized_end=317
-  _globals['_ECHOREQUEST']._serialized_start=319
-  _globals['_ECHOREQUEST']._serialized_end=370
-  _globals['_ECHORESPONSE']._serialized_start=372
-  _globals['_ECHORESPONSE']._serialized_end=403
-  _globals['_PROFILEREQUEST']._serialized_start=405
-  _globals['_PROFILEREQUEST']._serialized_end=486
-  _globals['_PROFILERESPONSE']._serialized_start=488
-  _globals['_PROFILERESPONSE']._serialized_end=571
-  _globals['_ROWS']._serialized_start=573
-  _globals['_ROWS']._serialized_end=641
-  _globals['_ROWRANGE']._serialized_start=643
-  _globals['_ROWRANGE']._serialized_end=682
-  _globals['_MODNNLEVEL']._serialized_start=684
-  _globals['_MODNNLEVEL']._serialized_end=777
-  _globals['_MODNNREQUEST']._serialized_start=780
-  _globals['_MODNNREQUEST']._serialized_end=970
-  _globals['_MODNNRESULT']._serialized_start=973
-  _globals['_MODNNRESULT']._serialized_end=1189
-  _globals['_ROWSMESSAGE']._serialized_start=1191
-  _globals['_ROWSMESSAGE']._serialized_end=1279
-  _globals['_EXCHANGEACK']._serialized_start=1281
-  _globals['_EXCHANGEACK']._serialized_end=1312
-  _globals['_DEEPCOSERVICE']._serialized_start=1315
-  _globals['_DEEPCOSERVICE']._serialized_end=1623
+  _globals['_PROBEPEERREQUEST']._serialized_start=49
+  _globals['_PROBEPEERREQUEST']._serialized_end=110
+  _globals['_PROBEPEERRESPONSE']._serialized_start=112
+  _globals['_PROBEPEERRESPONSE']._serialized_end=177
+  _globals['_RUNEVENT']._serialized_start=180
+  _globals['_RUNEVENT']._serialized_end=322
+  _globals['_RUNRECEIVED']._serialized_start=324
+  _globals['_RUNRECEIVED']._serialized_end=337
+  _globals['_RUNRESULT']._serialized_start=339
+  _globals['_RUNRESULT']._serialized_end=447
+  _globals['_ECHOREQUEST']._serialized_start=449
+  _globals['_ECHOREQUEST']._serialized_end=500
+  _globals['_ECHORESPONSE']._serialized_start=502
+  _globals['_ECHORESPONSE']._serialized_end=533
+  _globals['_PROFILEREQUEST']._serialized_start=535
+  _globals['_PROFILEREQUEST']._serialized_end=616
+  _globals['_PROFILERESPONSE']._serialized_start=618
+  _globals['_PROFILERESPONSE']._serialized_end=701
+  _globals['_ROWS']._serialized_start=703
+  _globals['_ROWS']._serialized_end=771
+  _globals['_ROWRANGE']._serialized_start=773
+  _globals['_ROWRANGE']._serialized_end=812
+  _globals['_MODNNLEVEL']._serialized_start=814
+  _globals['_MODNNLEVEL']._serialized_end=907
+  _globals['_MODNNREQUEST']._serialized_start=910
+  _globals['_MODNNREQUEST']._serialized_end=1158
+  _globals['_MODNNRESULT']._serialized_start=1161
+  _globals['_MODNNRESULT']._serialized_end=1377
+  _globals['_ROWSMESSAGE']._serialized_start=1379
+  _globals['_ROWSMESSAGE']._serialized_end=1467
+  _globals['_EXCHANGEACK']._serialized_start=1469
+  _globals['_EXCHANGEACK']._serialized_end=1500
+  _globals['_DEEPCOSERVICE']._serialized_start=1503
+  _globals['_DEEPCOSERVICE']._serialized_end=1879
 # @@protoc_insertion_point(module_scope)

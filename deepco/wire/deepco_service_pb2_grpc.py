@@ -60,6 +60,11 @@ class DeepcoServiceStub:
                 request_serializer=deepco__service__pb2.RowsMessage.SerializeToString,
                 response_deserializer=deepco__service__pb2.ExchangeAck.FromString,
                 _registered_method=True)
+        self.ProbePeer = channel.unary_unary(
+                '/deepco.DeepcoService/ProbePeer',
+                request_serializer=deepco__service__pb2.ProbePeerRequest.SerializeToString,
+                response_deserializer=deepco__service__pb2.ProbePeerResponse.FromString,
+                _registered_method=True)
 
 
 class DeepcoServiceServicer:
@@ -107,6 +112,14 @@ class DeepcoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbePeer(self, request, context):
+        """Link probe between servers: this server sends `bytes` to `peer` (Echo) and reports how long a small and
+        a large message took, so the planner knows the server-to-server links (the staged plans' exchanges).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeepcoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +147,11 @@ def add_DeepcoServiceServicer_to_server(servicer, server):
                     servicer.ModnnExchange,
                     request_deserializer=deepco__service__pb2.RowsMessage.FromString,
                     response_serializer=deepco__service__pb2.ExchangeAck.SerializeToString,
+            ),
+            'ProbePeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbePeer,
+                    request_deserializer=deepco__service__pb2.ProbePeerRequest.FromString,
+                    response_serializer=deepco__service__pb2.ProbePeerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +289,33 @@ class DeepcoService:
             '/deepco.DeepcoService/ModnnExchange',
             deepco__service__pb2.RowsMessage.SerializeToString,
             deepco__service__pb2.ExchangeAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbePeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepco.DeepcoService/ProbePeer',
+            deepco__service__pb2.ProbePeerRequest.SerializeToString,
+            deepco__service__pb2.ProbePeerResponse.FromString,
             options,
             channel_credentials,
             insecure,

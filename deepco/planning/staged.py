@@ -1,0 +1,469 @@
+"""Staged execution plans: local, offload, the paper's THREAD, MoDNN and fused hybrids as one kind of plan.
+
+A plan is data (`StagedPlan`, JSON by `to_dict`). Its ``kind`` is
+- ``local``: the device runs the whole model;
+- ``offload``: one server runs the whole model, the device sends pixels and gets the output;
+- ``split``: servers (the *participants*, in band order top to bottom) hold disjoint bands of a sequence of
+  levels (level 0: the image; level j: the j-th chosen cut tensor). Segment j maps level j-1 to level j.
+  With ``lookahead`` the device sends every participant the exact window of the image its first segment
+  needs (THREAD's data lookahead: the halo travels with the slice, nobody waits for anybody); without it
+  the device sends disjoint bands and the servers exchange the first halo too (MoDNN). Before every later
+  segment the servers exchange only the halo rows, directly server to server. After the last level the
+  bands are gathered on the device (``tail`` None), which runs the rest of the model, or on one
+  participant (``tail`` its name), which runs the rest there and returns the model's output only.
+  One split stage with the tail on the device is the paper's THREAD; a stage per block without lookahead
+  is MoDNN; k blocks per stage with the tail on the strongest server is a fused hybrid.
+
+The cost model (`predict`) is an event simulation of one frame on the measured rates (`Rates`): the
+device's CPU marshals each message (it is the bottleneck of a 0.1-core camera), each antenna sends its
+participants' inputs one after another in plan order, every server computes as soon as it has its window,
+exchanges cross the server-to-server links, and the tail runs where the plan puts it. `search` finds the
+fastest plan: for every number of participants (strongest first, THREAD's association and transfer order),
+tail placement and lookahead, a dynamic programme over the cut points picks the stage boundaries, and the
+exact simulation ranks the candidates (local and every offload included), then the band sizes are refined
+so that the first stage's participants finish together. `throughput` is the matching model of sustained
+frames per second with frames pipelined (every resource's busy time per frame).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from deepco.planning.modnn import receives
+from deepco.planning.plan import PlanningError
+
+Interval = tuple[int, int]
+MIN_STAGE_FLOPS = 0.01  # a level whose head has less than this share of the model's FLOPs is no stage boundary
+REFINE_STEPS = 12
+
+
+@dataclass
+class Rates:
+    """What the device measured (seconds, bytes, FLOPs)."""
+
+    server_flops_per_second: dict[str, float]
+    antenna_bytes_per_second: list[float]
+    request_overhead: float  # one request's fixed cost, device to server and back (Echo of 1 byte)
+    device_flops_per_second: float
+    peer_bytes_per_second: float  # server to server (measured: servers probe each other)
+    peer_overhead: float  # one server-to-server message's fixed cost
+    device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal one byte sent or received
+    paced: bool = False
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return asdict(self)
+
+
+@dataclass
+class StagedPlan:
+    """One frame's execution plan (see the module doc). Row tables are per level, then per participant."""
+
+    algorithm: str
+    kind: str  # "local" | "offload" | "split"
+    servers: list[str] = field(default_factory=list)  # participants, band order
+    antennas: list[int] = field(default_factory=list)  # antenna of each participant
+    order: list[int] = field(default_factory=list)  # position of each participant in its antenna's sends
+    levels: list[str] = field(default_factory=list)  # cut names of levels 1..n
+    bands: list[list[Interval]] = field(default_factory=list)  # levels 0..n
+    windows: list[list[Interval]] = field(default_factory=list)  # levels 0..n (level 0: what the device sends)
+    crops: list[list[int]] = field(default_factory=list)  # levels 0..n (level 0 unused)
+    lookahead: bool = True
+    tail: str | None = None  # participant that gathers and runs the rest; None: the device
+    predicted: float = 0.0
+    breakdown: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON form (tuples become lists)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StagedPlan:
+        """Inverse of `to_dict`."""
+        plan = cls(**data)
+        plan.bands = [[tuple(iv) for iv in level] for level in plan.bands]
+        plan.windows = [[tuple(iv) for iv in level] for level in plan.windows]
+        return plan
+
+    def describe(self) -> str:
+        """One line: what runs where."""
+        if self.kind == "local":
+            return f"{self.algorithm}: the whole model on the device"
+        if self.kind == "offload":
+            return f"{self.algorithm}: the whole model on {self.servers[0]} (antenna {self.antennas[0]})"
+        stages = " | ".join(self.levels)
+        where = f"tail on {self.tail}" if self.tail else "tail on the device"
+        how = "lookahead" if self.lookahead else "bands exchanged from the image on"
+        return (f"{self.algorithm}: split over {', '.join(self.servers)} (antennas "
+                f"{', '.join(map(str, self.antennas))}), stages ending at {stages}, {how}, {where}")
+
+
+class CostModel:
+    """The model's exact costs for the planner: segments between any two cut points, cached.
+
+    ``partitioner`` is a deepco.partition.Partitioner of the model the device runs (pixel input included)."""
+
+    def __init__(self, partitioner, input_bytes: int, output_bytes: int):
+        self.p = partitioner
+        self.total_flops = partitioner.total_flops
+        self.input_bytes = input_bytes
+        self.output_bytes = output_bytes
+        self.cuts = [c for c in partitioner.cuts if c.head_flops >= MIN_STAGE_FLOPS * self.total_flops]
+        if not self.cuts:
+            raise PlanningError("the model has no cut point with enough work before it to split")
+        self._segments: dict[tuple[str, str], object] = {}
+        self._windows: dict[tuple[str, str, int, int], object] = {}
+        self.height = partitioner.height
+        self.image_row_bytes = input_bytes // partitioner.height
+
+    def segment(self, source: str | None, target: str):
+        """The Segment from cut ``source`` (None: the image) to cut ``target``."""
+        key = (source or "", target)
+        if key not in self._segments:
+            through = [] if source is None else [source]
+            self._segments[key] = self.p.segments(target, models=False, through=through)[-1]
+        return self._segments[key]
+
+    def window(self, source: str | None, target: str, a: int, b: int):
+        """The segment's Window for output rows [a, b)."""
+        key = (source or "", target, a, b)
+        if key not in self._windows:
+            self._windows[key] = self.segment(source, target).window(a, b)
+        return self._windows[key]
+
+    def height_of(self, level: str | None) -> int:
+        """Rows of a level (None: the image)."""
+        return self.height if level is None else self.p.cut(level).height
+
+    def row_bytes(self, level: str | None) -> int:
+        """Bytes of one row of a level."""
+        if level is None:
+            return self.image_row_bytes
+        c = self.p.cut(level)
+        return c.channels * c.width * self.p.graph.feature_itemsize
+
+    def tail_flops(self, level: str) -> int:
+        """FLOPs after the cut ``level``."""
+        return self.p.cut(level).tail_flops
+
+
+def bands_for(weights: Sequence[float], heights: Sequence[int]) -> list[list[Interval]]:
+    """Contiguous bands per level, proportional to ``weights``, at least one row each (None if impossible)."""
+    from deepco.planning.modnn import ownership
+
+    return ownership(weights, heights)
+
+
+def tables(costs: CostModel, levels: Sequence[str], weights: Sequence[float],
+           lookahead: bool) -> tuple[list, list, list]:
+    """(bands, windows, crops) for every level; windows[0] is what the device sends each participant."""
+    names: list[str | None] = [None, *levels]
+    heights = [costs.height_of(n) for n in names]
+    bands = bands_for(weights, heights)
+    windows: list[list[Interval]] = [[]]
+    crops: list[list[int]] = [[]]
+    for j in range(1, len(names)):
+        ws = [costs.window(names[j - 1], names[j], a, b) for a, b in bands[j]]
+        windows.append([w.input_rows for w in ws])
+        crops.append([w.crop[0] for w in ws])
+    windows[0] = list(windows[1]) if lookahead else list(bands[0])
+    return bands, windows, crops
+
+
+def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates) -> list[float]:
+    """When each participant's input has arrived: the device's CPU marshals messages one at a time in send
+    order (position, then antenna), each antenna sends its messages one after another."""
+    cpu = 0.0
+    free = [0.0] * len(rates.antenna_bytes_per_second)
+    arrived = [0.0] * len(plan.servers)
+    for i in sorted(range(len(plan.servers)), key=lambda i: (plan.order[i], plan.antennas[i])):
+        cpu += sizes[i] * rates.device_seconds_per_byte
+        m = plan.antennas[i]
+        start = max(free[m], cpu)
+        free[m] = start + sizes[i] / rates.antenna_bytes_per_second[m]
+        arrived[i] = free[m] + rates.request_overhead
+    return arrived
+
+
+def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
+    """Predicted timeline of one frame (seconds): ``frame`` and its parts."""
+    out_bytes = costs.output_bytes
+    if plan.kind == "local":
+        compute = costs.total_flops / rates.device_flops_per_second
+        return {"frame": compute, "device_compute": compute}
+    if plan.kind == "offload":
+        name, m = plan.servers[0], plan.antennas[0]
+        arrive = _send_schedule(plan, [costs.input_bytes], rates)[0]
+        compute = costs.total_flops / rates.server_flops_per_second[name]
+        back = out_bytes / rates.antenna_bytes_per_second[m] + out_bytes * rates.device_seconds_per_byte
+        return {"frame": arrive + compute + back, "transfer": arrive, "compute": compute, "return": back}
+    n = len(plan.servers)
+    names: list[str | None] = [None, *plan.levels]
+    speed = [rates.server_flops_per_second[s] for s in plan.servers]
+    sizes = [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]]
+    arrived = _send_schedule(plan, sizes, rates)
+    done = list(arrived)
+    link, hop = rates.peer_bytes_per_second, rates.peer_overhead
+    stages = []
+    for j in range(1, len(names)):
+        ready = list(done)
+        if j > 1 or not plan.lookahead:
+            row = costs.row_bytes(names[j - 1])
+            for i in range(n):
+                for k, (a, b) in receives(plan.bands, plan.windows, j - 1, i).items():
+                    ready[i] = max(ready[i], done[k] + hop + (b - a) * row / link)
+        flops = [costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for i in range(n)]
+        done = [ready[i] + flops[i] / speed[i] for i in range(n)]
+        stages.append(max(done))
+    last = plan.levels[-1]
+    row = costs.row_bytes(last)
+    tail_flops = costs.tail_flops(last)
+    if plan.tail is None:
+        backs = []
+        for i in range(n):
+            nbytes = (plan.bands[-1][i][1] - plan.bands[-1][i][0]) * row
+            backs.append(done[i] + rates.request_overhead
+                         + nbytes / rates.antenna_bytes_per_second[plan.antennas[i]])
+        received = max(backs) + sum((b - a) * row for a, b in plan.bands[-1]) * rates.device_seconds_per_byte
+        tail = tail_flops / rates.device_flops_per_second
+        return {"frame": received + tail, "arrived": arrived, "stages": stages, "gathered": received, "tail": tail}
+    c = plan.servers.index(plan.tail)
+    gathered = done[c]
+    for i in range(n):
+        if i != c:
+            gathered = max(gathered, done[i] + hop + (plan.bands[-1][i][1] - plan.bands[-1][i][0]) * row / link)
+    tail = tail_flops / speed[c]
+    back = rates.request_overhead + out_bytes / rates.antenna_bytes_per_second[plan.antennas[c]]
+    return {"frame": gathered + tail + back, "arrived": arrived, "stages": stages, "gathered": gathered,
+            "tail": tail, "return": back}
+
+
+def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
+    """Predicted sustained frames per second with frames pipelined: 1 / the busiest resource's time per frame
+    (the device's CPU, each antenna, each server)."""
+    busy: dict[str, float] = {"device": 0.0}
+    bw = rates.antenna_bytes_per_second
+    if plan.kind == "local":
+        return rates.device_flops_per_second / costs.total_flops
+    if plan.kind == "offload":
+        s, m = plan.servers[0], plan.antennas[0]
+        busy["device"] = costs.input_bytes * rates.device_seconds_per_byte
+        busy[f"antenna {m}"] = costs.input_bytes / bw[m]
+        busy[s] = costs.total_flops / rates.server_flops_per_second[s]
+        return 1.0 / max(busy.values())
+    names: list[str | None] = [None, *plan.levels]
+    for i, s in enumerate(plan.servers):
+        a, b = plan.windows[0][i]
+        nbytes = (b - a) * costs.row_bytes(None)
+        busy["device"] += nbytes * rates.device_seconds_per_byte
+        key = f"antenna {plan.antennas[i]}"
+        busy[key] = busy.get(key, 0.0) + nbytes / bw[plan.antennas[i]]
+        flops = sum(costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
+        if plan.tail == s:
+            flops += costs.tail_flops(plan.levels[-1])
+        busy[s] = flops / rates.server_flops_per_second[s]
+    if plan.tail is None:
+        busy["device"] += costs.tail_flops(plan.levels[-1]) / rates.device_flops_per_second
+    return 1.0 / max(busy.values())
+
+
+def round_robin_fps(costs: CostModel, rates: Rates, servers: Sequence[str]) -> float:
+    """Frames per second of whole frames dealt to ``servers`` in turn: each server gets 1/n of the frames,
+    so the slowest one sets the pace (and the antennas and the device's CPU bound it)."""
+    n = len(servers)
+    slowest = min(rates.server_flops_per_second[s] for s in servers)
+    compute = n * slowest / costs.total_flops
+    link = sum(rates.antenna_bytes_per_second) / costs.input_bytes
+    cpu = math.inf if rates.device_seconds_per_byte <= 0 else 1.0 / (costs.input_bytes * rates.device_seconds_per_byte)
+    return min(compute, link, cpu)
+
+
+# ---- search --------------------------------------------------------------------------------------------
+
+def _participants(rates: Rates, servers: Sequence[str]) -> list[str]:
+    """Servers strongest first (ties: the given order)."""
+    return sorted(servers, key=lambda s: -rates.server_flops_per_second[s])
+
+
+def _associate(chosen: Sequence[str], rates: Rates, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(antenna, position) per participant: strongest first, each onto the antenna whose queue of sends
+    ends earliest (THREAD's association of a selection, weighted by the bytes each one is sent)."""
+    clock = [0.0] * len(rates.antenna_bytes_per_second)
+    antennas, order, count = [], [], [0] * len(clock)
+    for i, _ in enumerate(chosen):
+        m = min(range(len(clock)), key=lambda m: (clock[m] + sizes[i] / rates.antenna_bytes_per_second[m], m))
+        clock[m] += sizes[i] / rates.antenna_bytes_per_second[m]
+        antennas.append(m)
+        order.append(count[m])
+        count[m] += 1
+    return antennas, order
+
+
+def local_plan(costs: CostModel, rates: Rates) -> StagedPlan:
+    """The device alone."""
+    plan = StagedPlan("local", "local")
+    return _finish(plan, costs, rates)
+
+
+def offload_plan(costs: CostModel, rates: Rates, server: str) -> StagedPlan:
+    """The whole model on ``server``, over the fastest antenna."""
+    m = max(range(len(rates.antenna_bytes_per_second)), key=lambda m: rates.antenna_bytes_per_second[m])
+    plan = StagedPlan("offload", "offload", servers=[server], antennas=[m], order=[0])
+    return _finish(plan, costs, rates)
+
+
+def best_offload(costs: CostModel, rates: Rates, servers: Sequence[str]) -> StagedPlan:
+    """Offload to the server that finishes a frame first."""
+    return min((offload_plan(costs, rates, s) for s in servers), key=lambda p: p.predicted)
+
+
+def _finish(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
+    plan.breakdown = predict(plan, costs, rates)
+    plan.predicted = plan.breakdown["frame"]
+    return plan
+
+
+def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Sequence[str],
+               lookahead: bool, tail: str | None, weights: Sequence[float] | None = None,
+               algorithm: str = "auto") -> StagedPlan | None:
+    """A split plan over ``chosen`` (band order) at ``levels``; None where a level has too few rows."""
+    weights = list(weights or [rates.server_flops_per_second[s] for s in chosen])
+    try:
+        bands, windows, crops = tables(costs, levels, weights, lookahead)
+    except PlanningError:
+        return None
+    sizes = [(b - a) * costs.row_bytes(None) for a, b in windows[0]]
+    antennas, order = _associate(chosen, rates, sizes)
+    plan = StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
+                      levels=list(levels), bands=bands, windows=windows, crops=crops, lookahead=lookahead, tail=tail)
+    return _finish(plan, costs, rates)
+
+
+def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source: str | None, target: str,
+                   first: bool, lookahead: bool) -> float:
+    """The barrier model of one stage for the dynamic programme: the slowest participant's exchange plus
+    compute, on capacity-proportional bands (the exact simulation ranks the finished plans)."""
+    weights = [rates.server_flops_per_second[s] for s in chosen]
+    try:
+        bands = bands_for(weights, [costs.height_of(source), costs.height_of(target)])
+    except PlanningError:
+        return math.inf
+    worst = 0.0
+    row = costs.row_bytes(source)
+    for i, s in enumerate(chosen):
+        w = costs.window(source, target, *bands[1][i])
+        seconds = w.flops / rates.server_flops_per_second[s]
+        if not (first and lookahead):
+            lo, hi = w.input_rows
+            own = bands[0][i]
+            halo = max(0, own[0] - lo) + max(0, hi - own[1])
+            if halo:
+                seconds += rates.peer_overhead + halo * row / rates.peer_bytes_per_second
+        worst = max(worst, seconds)
+    return worst
+
+
+def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahead: bool,
+                 max_stages: int | None) -> list[list[str]]:
+    """Stage boundaries by dynamic programming over the cut points (barrier model): for each possible last
+    cut, the cheapest chain of stages from the image to it; returns one candidate per last cut."""
+    cuts = [c.name for c in costs.cuts]
+    n_cuts = len(cuts)
+    inf = math.inf
+    # best[k][s]: least time to have level cuts[k] in bands after s stages
+    limit = max_stages or n_cuts
+    best = [[inf] * (limit + 1) for _ in range(n_cuts)]
+    back: dict[tuple[int, int], int | None] = {}
+    for k in range(n_cuts):
+        best[k][1] = _stage_seconds(costs, rates, chosen, None, cuts[k], True, lookahead)
+        back[(k, 1)] = None
+    for s in range(2, limit + 1):
+        for k in range(n_cuts):
+            for prev in range(k):
+                if best[prev][s - 1] == inf:
+                    continue
+                t = best[prev][s - 1] + _stage_seconds(costs, rates, chosen, cuts[prev], cuts[k], False, lookahead)
+                if t < best[k][s]:
+                    best[k][s], back[(k, s)] = t, prev
+    out = []
+    for k in range(n_cuts):
+        s = min(range(1, limit + 1), key=lambda s: best[k][s])
+        if best[k][s] == inf:
+            continue
+        chain, at, depth = [], k, s
+        while at is not None:
+            chain.append(cuts[at])
+            at, depth = back[(at, depth)], depth - 1
+        out.append(chain[::-1])
+    return out
+
+
+def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
+    """Re-weight the bands so that the participants finish their work together (transfers are staggered,
+    so an early receiver can take more rows); keeps the best predicted plan."""
+    best = plan
+    weights = [rates.server_flops_per_second[s] for s in plan.servers]
+    for _ in range(REFINE_STEPS):
+        stages = best.breakdown.get("stages")
+        if not stages:
+            break
+        trial_plan = split_plan(costs, rates, best.servers, best.levels, best.lookahead, best.tail, weights,
+                                best.algorithm)
+        if trial_plan is None:
+            break
+        # the first stage's finish per participant: arrival + its compute
+        names: list[str | None] = [None, *best.levels]
+        finish = []
+        arrived = trial_plan.breakdown["arrived"]
+        for i, s in enumerate(best.servers):
+            w = costs.window(names[0], names[1], *trial_plan.bands[1][i])
+            finish.append(arrived[i] + w.flops / rates.server_flops_per_second[s])
+        mean = sum(finish) / len(finish)
+        weights = [w * (mean / f) ** 0.5 for w, f in zip(weights, finish, strict=True)]
+        if trial_plan.predicted < best.predicted:
+            best = trial_plan
+    return best
+
+
+def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective: str = "latency",
+           algorithm: str = "auto", shapes: str = "all") -> list[StagedPlan]:
+    """Every candidate worth ranking, best first by ``objective`` (``latency``: predicted frame time;
+    ``throughput``: predicted frames per second). ``shapes``: ``all``, or ``thread`` (one split stage with
+    lookahead and the tail on the device: the paper's shape) or ``modnn`` (a stage per cut, no lookahead)."""
+    if objective not in ("latency", "throughput"):
+        raise PlanningError(f"unknown objective {objective!r} (latency or throughput)")
+    candidates: list[StagedPlan] = []
+    if shapes == "all":
+        candidates.append(local_plan(costs, rates))
+        candidates += [offload_plan(costs, rates, s) for s in servers]
+    ordered = _participants(rates, servers)
+    for k in range(1, len(ordered) + 1):
+        chosen = ordered[:k]
+        for lookahead in (True, False):
+            if shapes == "thread" and not lookahead or shapes == "modnn" and lookahead:
+                continue
+            if shapes == "modnn":
+                cuts = [c.name for c in costs.cuts]
+                chains = [cuts[:i + 1] for i in range(len(cuts))]
+            else:
+                chains = _best_levels(costs, rates, chosen, lookahead, 1 if shapes == "thread" else None)
+            for tail in (None, chosen[0]):
+                if shapes in ("thread", "modnn") and tail is not None:
+                    continue
+                for levels in chains:
+                    plan = split_plan(costs, rates, chosen, levels, lookahead, tail, algorithm=algorithm)
+                    if plan is not None:
+                        candidates.append(plan)
+    if not candidates:
+        raise PlanningError("no plan fits: every split needs more rows than a level has")
+    for plan in candidates:
+        plan.algorithm = algorithm if plan.kind == "split" else plan.algorithm
+    if objective == "latency":
+        candidates.sort(key=lambda p: p.predicted)
+    else:
+        candidates.sort(key=lambda p: -throughput(p, costs, rates))
+    top = [refine(p, costs, rates) if p.kind == "split" and p.lookahead else p for p in candidates[:5]]
+    key = (lambda p: p.predicted) if objective == "latency" else (lambda p: -throughput(p, costs, rates))
+    return sorted(top, key=key) + candidates[5:]

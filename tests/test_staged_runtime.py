@@ -1,0 +1,119 @@
+"""Staged plans on real `deepco serve` processes on loopback: every plan shape equals the whole model (the
+unpartitioned ONNX model on the same preprocessing, within 1e-4), and the planner's choices are plans the
+runtime executes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from test_server_support import serve_process
+
+from deepco.cluster import parse_cluster
+from deepco.planning.staged import split_plan
+from device.preprocess import normalise
+from device.session import Device
+from device.staged import RoundRobinRunner, StagedPlanner, StagedRunner
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serve_process("--threads", "1", "--max-models", "64")) for _ in range(3)]
+
+
+def make_device(servers, model: str, h: int, w: int, antennas: int = 2) -> Device:
+    data = {"device": {"antennas": antennas, "bandwidth": 100.0},
+            "servers": [{"name": f"s{i}", "capacity": 1.0, "address": s.address} for i, s in enumerate(servers)]}
+    dev = Device(parse_cluster(data), model, h, w, log=lambda _: None)
+    dev.setup()
+    return dev
+
+
+def reference(dev: Device, px: np.ndarray) -> np.ndarray:
+    """The unpartitioned model (no pixel prefix) on the reference preprocessing."""
+    session = ort.InferenceSession(dev.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: normalise(px, dev.preprocessing)})[0]
+
+
+def check(dev: Device, runner, px: np.ndarray) -> None:
+    want = reference(dev, px)
+    got, _ = runner.run_frame(px)
+    assert got.shape == want.shape
+    error = float(np.abs(got - want).max()) / float(np.abs(want).max())
+    assert error < 1e-4, f"{runner.plan.describe()}: relative error {error:.2e}"
+
+
+@pytest.fixture(scope="module")
+def resnet(servers):
+    with make_device(servers, "resnet18", 97, 131) as dev:  # odd sizes: halos clipped unevenly
+        yield dev
+
+
+def pixels(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (1, 3, h, w), dtype=np.uint8)
+
+
+SHAPES = [  # participants, levels, lookahead, tail on the first participant
+    (["s0", "s1", "s2"], ["layer2"], True, False),  # the paper's THREAD: one fused stage, tail on the device
+    (["s0", "s1", "s2"], ["maxpool", "layer1.0", "layer1", "layer2.0", "layer2"], False, False),  # MoDNN
+    (["s0", "s1", "s2"], ["layer1", "layer3"], True, True),  # fused hybrid: two stages, exchange, tail on s0
+    (["s1", "s2"], ["layer2", "layer3", "layer4"], True, True),  # ... to the last cut
+    (["s2"], ["layer3"], True, True),  # one participant: offload in stages
+    (["s0", "s1", "s2"], ["relu", "layer4"], False, False),  # exchange of pixels (uint8) at level 0
+]
+
+
+@pytest.mark.parametrize(("chosen", "levels", "lookahead", "tail"), SHAPES)
+def test_every_plan_shape_equals_the_whole_model(resnet, chosen, levels, lookahead, tail):
+    planner = StagedPlanner(resnet)
+    plan = split_plan(planner.costs, planner.rates(), chosen, levels, lookahead, chosen[0] if tail else None)
+    assert plan is not None
+    runner = StagedRunner(resnet, plan)
+    for seed in range(2):
+        check(resnet, runner, pixels(97, 131, seed))
+
+
+def test_local_offload_round_robin_and_auto_are_exact(resnet):
+    planner = StagedPlanner(resnet)
+    for name in ("local", "offload", "auto"):
+        check(resnet, StagedRunner(resnet, planner.named(name)), pixels(97, 131, 3))
+    rr = RoundRobinRunner(resnet, planner)
+    for seed in range(3):  # one frame on each server
+        check(resnet, rr, pixels(97, 131, seed))
+
+
+def test_planner_ranks_local_offload_and_splits(resnet):
+    planner = StagedPlanner(resnet)
+    plans = planner.plans()
+    kinds = {p.kind for p in plans}
+    assert kinds == {"local", "offload", "split"}
+    assert plans[0].predicted == min(p.predicted for p in plans)
+    assert all(p.predicted > 0 for p in plans)
+
+
+def test_efficientnet_hybrid_is_exact(servers):
+    with make_device(servers, "efficientnet-lite0", 224, 224) as dev:
+        planner = StagedPlanner(dev)
+        cuts = [c.name for c in planner.costs.cuts]
+        plan = split_plan(planner.costs, planner.rates(), ["s0", "s1"], [cuts[2], cuts[5]], True, "s0")
+        check(dev, StagedRunner(dev, plan), pixels(224, 224, 5))
+
+
+def test_run_frames_survives_a_failing_server(resnet, servers):
+    planner = StagedPlanner(resnet)
+    plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], ["layer1", "layer3"], True, "s0")
+    runner = StagedRunner(resnet, plan)
+    # s1 loses the models the plan needs: its jobs fail with NOT_FOUND, the frame is replanned without it
+    for name in runner.segment_names:
+        resnet.client(1, 0).unload_model(name)
+    frames = [pixels(97, 131, k) for k in range(3)]
+    results = list(runner.run_frames(frames, depth=1,
+                                     replan=lambda down: planner.best(exclude=down)))
+    assert [r.index for r in results] == [0, 1, 2]
+    for r, px in zip(results, frames, strict=True):
+        assert r.error is None, r.error
+        want = reference(resnet, px)
+        assert float(np.abs(r.output - want).max()) / float(np.abs(want).max()) < 1e-4
