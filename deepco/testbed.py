@@ -35,6 +35,8 @@ CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 MIN_CPU_SHARE = 0.1  # the kernel's smallest quota is 1 ms per period
 CPU_PERIOD_US = 10_000  # a short period spreads the quota evenly over a slice's few milliseconds
+CPU_WEIGHT_V2 = 10000  # the maximum (default 100)
+CPU_SHARES_V1 = 262144  # the maximum (default 1024)
 SUBNET = "10.213"  # only inside namespaces this module creates
 _SERIAL = itertools.count()
 
@@ -326,11 +328,17 @@ class Testbed:
         group = self._cgroup(who)
         group.mkdir(exist_ok=True)
         quota = -1 if cpu is None else max(1000, round(cpu * CPU_PERIOD_US))
+        # A quota is a ceiling, not a guarantee: anything else running on the machine would eat into the
+        # emulated shares and make runs disagree. A high weight gives the testbed's groups their share first.
         if version == "v1":
             (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
+            with contextlib.suppress(OSError):
+                (group / "cpu.shares").write_text(str(CPU_SHARES_V1))
         else:
             (group / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {CPU_PERIOD_US}")
+            with contextlib.suppress(OSError):
+                (group / "cpu.weight").write_text(str(CPU_WEIGHT_V2))
 
     # -- processes ---------------------------------------------------------------------------------------
     def spawn(self, argv: list[str], *, server: int | None = None, **popen) -> subprocess.Popen:

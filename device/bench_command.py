@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,30 +32,61 @@ SWEEPS = {
     "antennas": [1, 2, 3, 4],
     "servers": [1, 2, 3, 4],
 }
+# Each preset fills the flags it names; a flag given on the command line wins.
+PRESETS: dict[str, dict] = {
+    # the defaults before presets existed: a mid-range device, wireless server-to-server links
+    "default": {"servers": 4, "antennas": 2, "bandwidth": 100.0, "shares": "0.45,0.30,0.15,0.10",
+                "device_share": 0.5, "peer_bandwidth": "same", "model": "resnet18", "input_size": "224x224"},
+    # the paper's setting on this machine: a weak camera, four edge servers on one site's LAN, a camera frame
+    "camera": {"servers": 4, "antennas": 2, "bandwidth": 100.0, "shares": "0.45,0.45,0.35,0.35",
+               "device_share": 0.1, "peer_bandwidth": "lan", "model": "resnet18", "input_size": "720x1280"},
+    # the paper's Section VI ratios as far as two cores allow: compute dominates (fast links, weak device)
+    "paper": {"servers": 4, "antennas": 2, "bandwidth": 400.0, "shares": "0.4,0.4,0.35,0.35",
+              "device_share": 0.1, "peer_bandwidth": "lan", "model": "resnet18", "input_size": "224x224"},
+}
+DEFAULT_ALGORITHMS = "local,offload,round-robin,auto,thread,thread-sa,modnn-sa,modnn-ma,single"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of `deepco bench`."""
-    p.add_argument("--servers", type=int, default=4)
-    p.add_argument("--antennas", type=int, default=2)
-    p.add_argument("--bandwidth", type=float, default=100.0, metavar="MBPS", help="per antenna (default 100)")
+    """Flags of `deepco bench` (unset flags come from --preset, default 'default')."""
+    p.add_argument("--preset", choices=list(PRESETS), default="default",
+                   help="a named testbed: " + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
+    p.add_argument("--servers", type=int, default=None, help="number of servers (preset; default 4)")
+    p.add_argument("--antennas", type=int, default=None, help="number of device antennas (preset; default 2)")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
+                   help="each antenna's bandwidth in Mbit/s (preset; default 100)")
     p.add_argument("--shares", default=None,
-                   help="CPU share of each server, comma-separated (default 0.45,0.30,0.15,0.10 ...)")
-    p.add_argument("--device-share", type=float, default=0.5,
-                   help="the device's own CPU share of a core (default 0.5: a camera, not a workstation)")
-    p.add_argument("--peer-bandwidth", default="same", metavar="MBPS|same|lan",
-                   help="each server's own link, which MoDNN's exchanges cross: Mbit/s, 'same' as the antennas "
-                        "(default: wireless peers) or 'lan' (unshaped)")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--input-size", default="224x224", metavar="HxW")
-    p.add_argument("--algorithms", default="thread,thread-sa,modnn-sa,modnn-ma,single")
-    p.add_argument("--frames", type=int, default=20)
-    p.add_argument("--cut", default="auto")
-    p.add_argument("--sweep", choices=list(SWEEPS), default=None)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+                   help="CPU share of each server in cores, comma-separated (preset; default 0.45,0.30,0.15,0.10)")
+    p.add_argument("--device-share", type=float, default=None,
+                   help="the device's own CPU share of a core (preset; default 0.5)")
+    p.add_argument("--peer-bandwidth", default=None, metavar="MBPS|same|lan",
+                   help="each server's own link, which exchanges between servers cross: Mbit/s, 'same' as the "
+                        "antennas (wireless peers) or 'lan' (unshaped) (preset; default same)")
+    p.add_argument("--model", default=None, help="zoo model or .onnx path (preset; default resnet18)")
+    p.add_argument("--input-size", default=None, metavar="HxW", help="input size (preset; default 224x224)")
+    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
+                   help=f"comma-separated, measured interleaved in one run (default {DEFAULT_ALGORITHMS})")
+    p.add_argument("--frames", type=int, default=8, help="timed frames per algorithm, one in flight (default 8)")
+    p.add_argument("--fps-frames", type=int, default=8,
+                   help="frames per algorithm in the pipelined throughput run (default 8; 0: skip)")
+    p.add_argument("--depth", type=int, default=2, help="frames in flight in the throughput run (default 2)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="independent repetitions (testbed, setup and plan each time); tables give medians")
+    p.add_argument("--cut", default="auto", help="THREAD's cut (default auto)")
+    p.add_argument("--sweep", choices=list(SWEEPS), default=None, help="repeat over a range of one parameter")
+    p.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a plot")
     p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one testbed run may take (default 600)")
+    p.add_argument("--timeout", type=float, default=1200.0,
+                   help="seconds one testbed run may take (default 1200)")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the flags left unset from the preset."""
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def shares_for(args: argparse.Namespace, servers: int, scale: float = 1.0) -> list[float]:
@@ -108,7 +141,8 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         print(tb.label, flush=True)
         ports = [PORT if tb.kernel else PORT + k for k in range(servers)]
         host = "0.0.0.0" if tb.kernel else "127.0.0.1"
-        serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64"]
+        serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64",
+                 "--max-inflight", "8"]  # room for two pipelined frames' jobs (each holds a thread per feeder)
         logs = [(workdir / f"server-{k}.log").open("w") for k in range(servers)]
         procs = [tb.spawn([*serve, "--port", str(ports[k])], server=k, stdout=subprocess.PIPE,
                           stderr=logs[k], text=True) for k in range(servers)]
@@ -122,6 +156,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         out = workdir / "point.json"
         worker = [sys.executable, "-m", "device.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
+                  "--fps-frames", str(args.fps_frames), "--depth", str(args.depth),
                   "--cut", args.cut, "--label", tb.label, "--out", str(out)]
         if spec.peer_mbps is not None:
             worker += ["--peer-mbps", str(spec.peer_mbps)]
@@ -144,51 +179,104 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
     return point
 
 
+def aggregate(runs: list[dict]) -> dict:
+    """One point from ``runs`` (repeats of it): medians of every figure, the spread of p50 and fps."""
+    point = {k: v for k, v in runs[0].items() if k not in ("algorithms", "bound", "measured")}
+    point["repeats"] = len(runs)
+    point["bound"] = {k: statistics.median(r["bound"][k] for r in runs) for k in ("latency", "fps")}
+    point["bound"]["input_bytes"] = runs[0]["bound"]["input_bytes"]
+    point["bound"]["model_flops"] = runs[0]["bound"]["model_flops"]
+    point["algorithms"] = {}
+    for name in runs[0]["algorithms"]:
+        entries = [r["algorithms"][name] for r in runs]
+        agg = {}
+        for key in ("p50", "p95", "mean", "fps", "predicted", "measured_over_predicted", "predicted_fps",
+                    "p50_over_bound", "fps_over_bound"):
+            values = [e[key] for e in entries if e.get(key) is not None]
+            agg[key] = statistics.median(values) if values else None
+        p50s = [e["p50"] for e in entries]
+        fpss = [e["fps"] for e in entries if e.get("fps") is not None]
+        agg.update({"p50_min": min(p50s), "p50_max": max(p50s), "fps_min": min(fpss) if fpss else None,
+                    "fps_max": max(fpss) if fpss else None,
+                    "max_relative_error": max(e["max_relative_error"] for e in entries),
+                    "frames": sum(e["frames"] for e in entries),
+                    "plan_text": [e.get("plan_text", "") for e in entries]})
+        point["algorithms"][name] = agg
+    point["runs"] = runs
+    return point
+
+
+def violations(point: dict) -> list[str]:
+    """Measurements that beat the physical bound: a bug in the bound or in the measurement."""
+    bad = []
+    for name, r in point["algorithms"].items():
+        if r["p50"] < point["bound"]["latency"]:
+            bad.append(f"{name}: p50 {r['p50'] * 1e3:.1f} ms is below the bound {point['bound']['latency'] * 1e3:.1f}")
+        if r.get("fps") is not None and r["fps"] > point["bound"]["fps"]:
+            bad.append(f"{name}: {r['fps']:.2f} fps is above the bound {point['bound']['fps']:.2f}")
+    return bad
+
+
 def table(point: dict) -> str:
-    """One point's results as a table (milliseconds)."""
+    """One point's results as a table (milliseconds; medians over the repeats, the fastest row marked *)."""
+    algos = point["algorithms"]
+    fastest = min(algos, key=lambda n: algos[n]["p50"])
+    best_fps = max((n for n in algos if algos[n].get("fps")), key=lambda n: algos[n]["fps"], default=None)
+    b = point["bound"]
     lines = [point["label"],
-             f"model {point['model']} {point['input_size']}, cut {point['cut']}, {point['servers']} servers "
+             f"model {point['model']} {point['input_size']}, {point['servers']} servers "
              f"(CPU shares {', '.join(map(str, point['cpu_shares']))}), {point['antennas']} antenna(s) at "
              f"{point['bandwidth_mbps']:g} Mbit/s, device CPU share {point['device_share']:g}, "
-             f"server-to-server links: {point['peer_bandwidth']}",
-             f"{'algorithm':<10} {'mean':>8} {'p50':>8} {'p95':>8} {'predicted':>10} {'meas/pred':>10} {'frames':>7} "
-             f"{'max error':>10}"]
-    for name, r in point["algorithms"].items():
-        ratio = r["measured_over_predicted"]
-        lines.append(f"{name:<10} {r['mean'] * 1e3:>8.1f} {r['p50'] * 1e3:>8.1f} {r['p95'] * 1e3:>8.1f} "
-                     f"{r['predicted'] * 1e3:>10.1f} {ratio:>10.2f} {r['frames']:>7} {r['max_relative_error']:>10.1e}")
-    if "thread" in point["algorithms"]:
-        base = point["algorithms"]["thread"]["mean"]
-        lines.append("latency / THREAD's: " + ", ".join(f"{n} {r['mean'] / base:.2f}"
-                                                       for n, r in point["algorithms"].items()))
+             f"server-to-server links: {point['peer_bandwidth']}; medians of {point['repeats']} repeat(s)",
+             f"physical bound: latency >= {b['latency'] * 1e3:.1f} ms, fps <= {b['fps']:.2f}",
+             f"{'algorithm':<16} {'p50':>8} {'(min-max)':>15} {'p95':>8} {'fps':>7} {'pred':>8} {'meas/pred':>9} "
+             f"{'p50/bound':>9} {'fps/bound':>9} {'max error':>9}"]
+    for name, r in algos.items():
+        mark = ("*" if name == fastest else " ") + ("f" if name == best_fps else " ")
+        fps = f"{r['fps']:7.2f}" if r.get("fps") else f"{'-':>7}"
+        fpsb = f"{r['fps_over_bound']:9.2f}" if r.get("fps_over_bound") else f"{'-':>9}"
+        spread = f"({r['p50_min'] * 1e3:.0f}-{r['p50_max'] * 1e3:.0f})"
+        lines.append(f"{name + ' ' + mark:<16} {r['p50'] * 1e3:>8.1f} {spread:>15} {r['p95'] * 1e3:>8.1f} {fps} "
+                     f"{r['predicted'] * 1e3:>8.1f} {r['measured_over_predicted']:>9.2f} {r['p50_over_bound']:>9.2f} "
+                     f"{fpsb} {r['max_relative_error']:>9.1e}")
+    lines.append("* least p50 latency, f most fps")
+    for name in ("auto", "auto-throughput"):
+        if name in algos:
+            lines.append(f"{name} plan: {algos[name]['plan_text'][0]}")
+    lines += [f"WARNING (measurement below the physical bound): {v}" for v in violations(point)]
     return "\n".join(lines)
 
 
 def plot(document: dict, path: str) -> None:
-    """Bars (one point) or lines (a sweep) of mean latency, p95 whiskers, predicted markers."""
+    """Bars (one point) or lines (a sweep) of median p50 latency, min-max whiskers, predicted markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     points = document["points"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     algorithms = list(points[0]["algorithms"])
     if document.get("sweep"):
         xs = [p[document["sweep_key"]] for p in points]
         for name in algorithms:
-            ax.plot(xs, [p["algorithms"][name]["mean"] * 1e3 for p in points], marker="o", label=f"{name} measured")
+            ax.plot(xs, [p["algorithms"][name]["p50"] * 1e3 for p in points], marker="o", label=f"{name} measured")
             ax.plot(xs, [p["algorithms"][name]["predicted"] * 1e3 for p in points], linestyle=":",
                     color=ax.lines[-1].get_color(), label=f"{name} predicted")
+        ax.plot(xs, [p["bound"]["latency"] * 1e3 for p in points], color="black", linestyle="--",
+                label="physical bound")
         ax.set_xlabel(document["sweep"])
     else:
         point = points[0]
-        means = [point["algorithms"][n]["mean"] * 1e3 for n in algorithms]
-        p95 = [point["algorithms"][n]["p95"] * 1e3 for n in algorithms]
-        ax.bar(algorithms, means, yerr=[[0] * len(means), [b - a for a, b in zip(means, p95, strict=True)]],
-               capsize=4, label="measured mean (whisker: p95)")
+        p50 = [point["algorithms"][n]["p50"] * 1e3 for n in algorithms]
+        lo = [v - point["algorithms"][n]["p50_min"] * 1e3 for v, n in zip(p50, algorithms, strict=True)]
+        hi = [point["algorithms"][n]["p50_max"] * 1e3 - v for v, n in zip(p50, algorithms, strict=True)]
+        ax.bar(algorithms, p50, yerr=[lo, hi], capsize=4, label="measured p50 (whiskers: min-max over repeats)")
         ax.scatter(algorithms, [point["algorithms"][n]["predicted"] * 1e3 for n in algorithms], color="black",
                    marker="_", s=400, zorder=3, label="predicted")
+        ax.axhline(point["bound"]["latency"] * 1e3, color="red", linestyle="--", label="physical bound")
+        ax.set_yscale("log")
+        ax.tick_params(axis="x", labelrotation=30)
     ax.set_ylabel("frame latency (ms)")
     ax.set_title(f"{points[0]['model']} {points[0]['input_size']}: measured on an EMULATED edge network")
     ax.grid(True, alpha=0.3)
@@ -200,9 +288,12 @@ def plot(document: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (or a sweep) and report."""
-    if args.frames <= 0 or args.servers <= 0 or args.antennas <= 0 or args.bandwidth <= 0:
-        raise UserError("--frames, --servers, --antennas and --bandwidth must be positive")
+    """Run the benchmark (or a sweep), each point ``--repeat`` times, and report."""
+    resolve(args)
+    if args.frames <= 0 or args.servers <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or args.repeat <= 0:
+        raise UserError("--frames, --servers, --antennas, --bandwidth and --repeat must be positive")
+    if args.depth < 2 and args.fps_frames > 0:
+        raise UserError("--depth must be at least 2: the throughput run pipelines frames")
     started = time.perf_counter()
     values: list = [None] if args.sweep is None else SWEEPS[args.sweep]
     points = []
@@ -217,20 +308,27 @@ def run(args: argparse.Namespace) -> int:
                 antennas = value
             elif args.sweep == "servers":
                 servers = value
-            point = one_point(args, servers, antennas, bandwidth, scale, Path(tmp))
-            point["capacity_scale"] = scale
+            runs = []
+            for k in range(args.repeat):
+                print(f"point {len(points) + 1}/{len(values)}, repeat {k + 1}/{args.repeat}", flush=True)
+                run_point = one_point(args, servers, antennas, bandwidth, scale, Path(tmp))
+                run_point["capacity_scale"] = scale
+                runs.append(run_point)
+            point = aggregate(runs)
             points.append(point)
             print(table(point), flush=True)
     key = {"bandwidth": "bandwidth_mbps", "capacity": "capacity_scale", "antennas": "antennas",
            "servers": "servers"}.get(args.sweep or "")
     document = {"command": "deepco bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "deepco bench",
+                "preset": args.preset,
                 "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, python "
-                           f"{platform.python_version()}",
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+                "emulated": "EMULATED: network namespaces + tc tbf per antenna, cgroup CPU quotas (see label)",
                 "seconds": time.perf_counter() - started, "sweep": args.sweep, "sweep_key": key, "points": points}
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=2))
     if args.plot:
         plot(document, args.plot)
-    print(f"bench: {len(points)} testbed(s) in {document['seconds']:.0f} s", flush=True)
-    return 0
+    print(f"bench: {len(points)} point(s) x {args.repeat} repeat(s) in {document['seconds']:.0f} s", flush=True)
+    bad = [v for p in points for v in violations(p)]
+    return 3 if bad else 0

@@ -1,12 +1,16 @@
-"""The device side of `deepco bench`: one device, several algorithms, frames interleaved A, B, A, B, ...
+"""The device side of `deepco bench`: one device, every algorithm, frames interleaved A, B, A, B, ...
 
-Runs where the device lives (inside the testbed's device namespace), sets the device up once (same
-measurements for every algorithm), then times one frame at a time per algorithm (no pipelining, so a
-frame's latency is its own), rotating through the algorithms so that drift on the machine hits all of them
-alike. Writes one JSON document.
+Runs where the device lives (inside the testbed's device namespace), sets the device up once (the same
+measurements for every algorithm), then
+1. latency: one frame at a time per algorithm (nothing pipelined, so a frame's latency is its own),
+   rotating through the algorithms so that drift on the machine hits all of them alike;
+2. throughput: for each algorithm a run of its own with frames pipelined (``--depth``, at least 2; for
+   round-robin one frame per server in flight), giving sustained frames per second.
+Every output of every frame is checked against ONNX Runtime on the whole, unpartitioned model with the
+same preprocessing. Writes one JSON document with the physical bound of the point (see `bound`).
 
-    python -m device.benchmark --cluster C --model resnet18 --input-size 224x224 \
-        --algorithms thread,thread-sa,single --frames 20 --out results.json [--pace] [--label TEXT]
+    python -m device.benchmark --cluster C --model resnet18 --input-size 224x224 \\
+        --algorithms local,offload,round-robin,auto,thread,modnn-sa --frames 8 --out results.json
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,95 +29,173 @@ from tqdm import tqdm
 
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from device.preprocess import preprocess, preprocessing_for
+from device.preprocess import normalise, pixels, preprocessing_for
 from device.session import ALGORITHMS as ROW_ALGORITHMS
 from device.session import Device
 
 WARMUP_FRAMES = 2
 MODNN = ("modnn-sa", "modnn-ma")
+STAGED = ("local", "offload", "auto", "auto-throughput")
+ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
 
-def photo_input(model: str, height: int, width: int) -> np.ndarray:
-    """The benchmark's input: matplotlib's photo of Grace Hopper, preprocessed for the model."""
+def photo_pixels(model: str, height: int, width: int) -> np.ndarray:
+    """The benchmark's input: matplotlib's photo of Grace Hopper as the pixels the device sends."""
     import cv2
     import matplotlib
 
     frame = cv2.imread(str(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"))
-    return preprocess(frame, height, width, preprocessing_for(model))
+    return pixels(frame, height, width, preprocessing_for(model))
+
+
+def bound(device: Device) -> dict:
+    """The physical bound of one point, from the rates measured at setup:
+    latency >= max(input bytes as sent / sum of antenna bandwidths, model FLOPs / (sum of server FLOP/s +
+    device FLOP/s)); fps <= min(sum of antenna bandwidths / input bytes, sum of compute / model FLOPs)."""
+    m = device.measured
+    input_bytes = 3 * device.height * device.width * device.partitioner.graph.itemsize
+    flops = device.partitioner.total_flops
+    link = sum(m.antenna_bytes_per_second)
+    compute = sum(m.server_flops_per_second.values()) + m.device_flops_per_second
+    return {"latency": max(input_bytes / link, flops / compute), "fps": min(link / input_bytes, compute / flops),
+            "input_bytes": input_bytes, "model_flops": flops, "link_bytes_per_second": link,
+            "compute_flops_per_second": compute}
 
 
 def summary(latencies: list[float], predicted: float) -> dict:
-    """Mean, median, p95 (seconds) and measured / predicted."""
-    mean = statistics.fmean(latencies)
-    return {"frames": len(latencies), "mean": mean, "p50": float(np.percentile(latencies, 50)),
+    """Mean, median, p95 (seconds) and measured (median) / predicted."""
+    p50 = float(np.percentile(latencies, 50))
+    return {"frames": len(latencies), "mean": statistics.fmean(latencies), "p50": p50,
             "p95": float(np.percentile(latencies, 95)), "predicted": predicted,
-            "measured_over_predicted": mean / predicted if predicted > 0 else None, "latencies": latencies}
+            "measured_over_predicted": p50 / predicted if predicted > 0 else None, "latencies": latencies}
+
+
+class Runner:
+    """One algorithm behind one call: ``frame(px) -> (output, latency)`` and ``predicted`` seconds."""
+
+    def __init__(self, name: str, device: Device, peer: float | None, objective_plans: dict):
+        self.name, self.device = name, device
+        if name in MODNN:
+            from device.modnn import ModnnRunner
+
+            self.impl = ModnnRunner(device, name, peer_bytes_per_second=peer)
+            self.predicted, self.predicted_fps, self.plan = self.impl.predicted, None, None
+        elif name in ROW_ALGORITHMS:
+            self.impl = device.plan_for(name)
+            self.predicted, self.predicted_fps, self.plan = self.impl.frame_time, None, None
+        elif name == "round-robin":
+            from device.staged import RoundRobinRunner
+
+            self.impl = RoundRobinRunner(device, objective_plans["planner"])
+            self.predicted = self.impl.predicted
+            from deepco.planning.staged import round_robin_fps
+
+            planner = objective_plans["planner"]
+            self.predicted_fps = round_robin_fps(planner.costs, planner.rates(), planner.servers())
+            self.plan = None
+        else:
+            from device.staged import StagedRunner
+
+            plan = objective_plans[name]
+            self.impl = StagedRunner(device, plan)
+            self.predicted, self.plan = plan.predicted, plan
+            self.predicted_fps = objective_plans["planner"].fps(plan)
+
+    def frame(self, px: np.ndarray) -> tuple[np.ndarray, float]:
+        """Run one frame alone."""
+        if self.name in ROW_ALGORITHMS:
+            result = next(self.device.run([px], plan=self.impl, depth=1))
+            if result.error is not None:
+                raise UserError(f"{self.name}: frame failed: {result.error}")
+            return result.output, result.latency
+        start = time.perf_counter()
+        output, _ = self.impl.run_frame(px)
+        return output, time.perf_counter() - start
+
+    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[np.ndarray]]:
+        """Sustained frames per second with ``depth`` frames in flight, and the outputs."""
+        start = time.perf_counter()
+        if self.name in ROW_ALGORITHMS:
+            outputs = []
+            for result in self.device.run([px] * frames, plan=self.impl, depth=depth):
+                if result.error is not None:
+                    raise UserError(f"{self.name}: frame failed: {result.error}")
+                outputs.append(result.output)
+        else:
+            with ThreadPoolExecutor(max_workers=depth) as pool:
+                outputs = [out for out, _ in pool.map(lambda _: self.impl.run_frame(px), range(frames))]
+        return frames / (time.perf_counter() - start), outputs
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
-    """Set up one device, run every algorithm interleaved, return the results document."""
+    """Set up one device, run every algorithm interleaved, then each pipelined; return the results."""
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    unknown = [a for a in algorithms if a not in (*ROW_ALGORITHMS, *MODNN)]
+    unknown = [a for a in algorithms if a not in ALL]
     if unknown:
-        raise UserError(f"unknown algorithm(s) {', '.join(unknown)} (choose from "
-                        f"{', '.join((*ROW_ALGORITHMS, *MODNN))})")
+        raise UserError(f"unknown algorithm(s) {', '.join(unknown)} (choose from {', '.join(ALL)})")
     h, w = (int(v) for v in args.input_size.split("x"))
     cluster = load_cluster(args.cluster)
-    device = Device(cluster, args.model, h, w, algorithm="thread", cut=args.cut, pace=args.pace, depth=1,
-                    log=lambda line: print(line, file=sys.stderr, flush=True))
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    device = Device(cluster, args.model, h, w, algorithm="thread", cut=args.cut, pace=args.pace, depth=1, log=log)
     with device:
         device.setup()
-        runners = {}
-        for algorithm in algorithms:
-            if algorithm in MODNN:
-                from device.modnn import ModnnRunner
+        from device.staged import StagedPlanner
 
-                peer = None if args.peer_mbps is None else args.peer_mbps * 1e6 / 8
-                runners[algorithm] = ModnnRunner(device, algorithm, peer_bytes_per_second=peer)
-            else:
-                runners[algorithm] = device.plan_for(algorithm)
-        x = photo_input(args.model, h, w)
-
-        # Every frame of every algorithm is checked against ONNX Runtime on the whole model, here.
-        whole = ort.InferenceSession(device.model.SerializeToString(), providers=["CPUExecutionProvider"])
-        reference = whole.run(None, {whole.get_inputs()[0].name: x})[0]
+        planner = StagedPlanner(device)
+        plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
+                 "auto": planner.best("latency"), "auto-throughput": planner.best("throughput")}
+        for name in ("auto", "auto-throughput"):
+            if name in algorithms:
+                log(f"{name} plan: {plans[name].describe()} (predicted {plans[name].predicted * 1e3:.1f} ms, "
+                    f"{planner.fps(plans[name]):.2f} fps)")
+        peer = None if args.peer_mbps is None else args.peer_mbps * 1e6 / 8
+        runners = {a: Runner(a, device, peer, plans) for a in algorithms}
+        px = photo_pixels(args.model, h, w)
+        how = preprocessing_for(args.model)
+        whole = ort.InferenceSession(device.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
+        reference = whole.run(None, {whole.get_inputs()[0].name: normalise(px, how)})[0]
         scale = float(np.abs(reference).max()) or 1.0
-        worst: dict[str, float] = {a: 0.0 for a in algorithms}
+        worst = {a: 0.0 for a in algorithms}
 
-        def once(algorithm: str) -> float:
-            runner = runners[algorithm]
-            if algorithm in MODNN:
-                start = time.perf_counter()
-                output, _ = runner.run_frame(x)
-                latency = time.perf_counter() - start
-            else:
-                result = next(device.run([x], plan=runner, depth=1))
-                if result.error is not None:
-                    raise UserError(f"{algorithm}: frame failed: {result.error}")
-                output, latency = result.output, result.latency
+        def check(algorithm: str, output: np.ndarray) -> None:
             worst[algorithm] = max(worst[algorithm], float(np.abs(output - reference).max()) / scale)
-            return latency
 
         for _ in range(WARMUP_FRAMES):
-            for algorithm in algorithms:
-                once(algorithm)
+            for a in algorithms:
+                check(a, runners[a].frame(px)[0])
         latencies: dict[str, list[float]] = {a: [] for a in algorithms}
-        for _ in tqdm(range(args.frames), desc="frames (all algorithms interleaved)", file=sys.stderr):
-            for algorithm in algorithms:
-                latencies[algorithm].append(once(algorithm))
+        for _ in tqdm(range(args.frames), desc="latency (algorithms interleaved)", file=sys.stderr):
+            for a in algorithms:
+                output, latency = runners[a].frame(px)
+                check(a, output)
+                latencies[a].append(latency)
+        fps: dict[str, float] = {}
+        if args.fps_frames > 0:
+            for a in tqdm(algorithms, desc="throughput (each pipelined)", file=sys.stderr):
+                depth = max(args.depth, len(cluster.servers)) if a == "round-robin" else args.depth
+                fps[a], outputs = runners[a].throughput(px, max(args.fps_frames, 2 * depth), depth)
+                for output in outputs:
+                    check(a, output)
+        limits = bound(device)
         results = {}
-        for algorithm in algorithms:
-            runner = runners[algorithm]
-            predicted = runner.predicted if algorithm in MODNN else runner.frame_time
-            entry = summary(latencies[algorithm], predicted)
-            entry["max_relative_error"] = worst[algorithm]  # vs the whole model, over every frame
-            if algorithm not in MODNN:
+        for a in algorithms:
+            r = runners[a]
+            entry = summary(latencies[a], r.predicted)
+            entry["max_relative_error"] = worst[a]
+            entry["fps"] = fps.get(a)
+            entry["predicted_fps"] = r.predicted_fps
+            entry["p50_over_bound"] = entry["p50"] / limits["latency"]
+            entry["fps_over_bound"] = None if entry["fps"] is None else entry["fps"] / limits["fps"]
+            if r.plan is not None:
+                entry["plan"] = r.plan.to_dict()
+                entry["plan_text"] = r.plan.describe()
+            elif a in ROW_ALGORITHMS:
                 entry["servers"] = [{"name": s.name, "antenna": s.antenna, "order": s.order,
-                                     "rows": [s.start, s.stop]} for s in runner.slices]
-                entry["plan"] = device.describe_plan(runner)
-            results[algorithm] = entry
+                                     "rows": [s.start, s.stop]} for s in r.impl.slices]
+                entry["plan_text"] = device.describe_plan(r.impl)
+            results[a] = entry
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,
-                "measured": device.measured.to_dict(), "algorithms": results}
+                "measured": device.measured.to_dict(), "bound": limits, "algorithms": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", required=True)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--input-size", default="224x224")
-    p.add_argument("--algorithms", default="thread,thread-sa,single")
-    p.add_argument("--frames", type=int, default=20)
+    p.add_argument("--algorithms", default="local,offload,round-robin,auto,thread,modnn-sa")
+    p.add_argument("--frames", type=int, default=8)
+    p.add_argument("--fps-frames", type=int, default=8)
+    p.add_argument("--depth", type=int, default=2)
     p.add_argument("--cut", default="auto")
     p.add_argument("--pace", action="store_true")
     p.add_argument("--peer-mbps", type=float, default=None, help="the servers' own links (MoDNN's exchanges)")

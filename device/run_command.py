@@ -32,8 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-size", default="224x224", metavar="HxW")
     p.add_argument("--source", required=True, help="camera index, video file, rtsp/http URL, image, or directory")
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
-    p.add_argument("--algorithm", default="thread", choices=["thread", "thread-sa", "single", "equal"],
-                   help="planner (default thread); equal: every server, equal rows (a naive baseline)")
+    p.add_argument("--algorithm", default="auto",
+                   choices=["auto", "local", "offload", "thread", "thread-sa", "single", "equal"],
+                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like or "
+                        "fused hybrids, see README); local: the device alone; offload: the whole model on the best "
+                        "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
+                        "server, equal rows (a naive baseline)")
+    p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
+                   help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
     p.add_argument("--weights", default=None, help="state-dict file for a zoo model")
     p.add_argument("--pace", action="store_true",
@@ -47,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device, stream the source through the plan, report."""
-    from device.preprocess import preprocess, preprocessing_for, top_labels
+    from device.preprocess import normalise, pixels, preprocessing_for, top_labels
     from device.session import Device
     from device.sources import first_frame_check, open_source
 
@@ -62,24 +68,41 @@ def run(args: argparse.Namespace) -> int:
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
     failures = 0
     try:
-        with Device(cluster, args.model, height, width, algorithm=args.algorithm, cut=args.cut,
+        staged = args.algorithm in ("auto", "local", "offload")
+        with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
                     weights=args.weights, pace=args.pace, depth=args.depth,
                     log=lambda line: print(line, flush=True), security=security.from_args(args)) as dev:
             dev.setup()
-            print(dev.describe_plan(), flush=True)
+            if staged:
+                from device.staged import StagedPlanner, StagedRunner
+
+                planner = StagedPlanner(dev)
+                plan = planner.best(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
+                runner = StagedRunner(dev, plan)
+                predicted = plan.predicted
+                print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
+                      f"{planner.fps(plan):.2f} fps", flush=True)
+            else:
+                predicted = dev.plan.frame_time
+                print(dev.describe_plan(), flush=True)
 
             def frames():
                 for frame in open_source(args.source, args.frames):
-                    x = preprocess(frame, height, width, how)
+                    px = pixels(frame, height, width, how)
                     if args.save_outputs:
-                        inputs.append(x)
-                    yield x
+                        inputs.append(normalise(px, how))  # what the unpartitioned model takes
+                    yield px
 
             start = time.perf_counter()
             latencies = []
-            for result in dev.run(frames()):
+            if staged:
+                results = runner.run_frames(frames(), depth=args.depth,
+                                            replan=lambda down: planner.best(args.objective, exclude=down))
+            else:
+                results = dev.run(frames())
+            for result in results:
                 if log_file:
-                    log_file.write(json.dumps(result.log_record(dev.plan.frame_time)) + "\n")
+                    log_file.write(json.dumps(result.log_record(predicted)) + "\n")
                 if result.error is not None:
                     failures += 1
                     print(f"frame {result.index}: ERROR {result.error}", flush=True)
@@ -105,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         p50, p95 = np.percentile(latencies, [50, 95])
         print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
               f"{np.mean(latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; "
-              f"predicted {dev.plan.frame_time * 1e3:.1f} ms; {failures} failed")
+              f"predicted {predicted * 1e3:.1f} ms; {failures} failed")
     if failures:
         print(f"deepco run: {failures} frame(s) failed (see above)", file=sys.stderr)
         return 1

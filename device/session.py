@@ -31,12 +31,12 @@ import onnxruntime as ort
 from deepco.cluster import Cluster
 from deepco.errors import UserError
 from deepco.partition import Cut, Partitioner, load_model
+from deepco.partition.pixels import with_pixel_input
 from deepco.planning import make_plan
 from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
-from deepco.partition.pixels import with_pixel_input
 from device.preprocess import preprocessing_for
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 

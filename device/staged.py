@@ -16,6 +16,7 @@ all come from it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import queue
@@ -36,7 +37,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError
 from deepco.wire.rows import decode_rows, encode_rows
 from device.records import FrameResult
-from device.session import Device, _session
+from device.session import BUSY_BACKOFF, Device, _session
 
 MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
 
@@ -162,15 +163,26 @@ class StagedRunner:
             if self.plan.tail:
                 names.append((self.plan.tail, self.tail_name))
         for server, name in names:
-            try:
+            with contextlib.suppress(ServerError):
                 self.device.client(self.index[server], 0).unload_model(name)
-            except ServerError:
-                pass
 
     # ---- one frame ------------------------------------------------------------------------------------
     def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         """One frame (1x3xHxW uint8 pixels): (the model's output, timing in seconds). Raises ServerError
-        naming the server that failed."""
+        naming the server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other
+        frames' jobs hold its threads) is waited for with backoff, up to the runner's timeout."""
+        give_up = time.perf_counter() + self.timeout
+        pause = BUSY_BACKOFF
+        while True:
+            try:
+                return self._run_frame(x)
+            except ServerError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.perf_counter() + pause > give_up:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         start = time.perf_counter()
         if self.plan.kind == "local":
             output = self.whole.run(None, {self.whole_input: x})[0]

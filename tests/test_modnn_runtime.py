@@ -19,6 +19,7 @@ from deepco.errors import UserError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import InferenceClient, ServerError
 from device.modnn import ModnnRunner
+from device.preprocess import normalise
 from device.session import Device
 
 
@@ -40,8 +41,9 @@ def make_device(servers, count: int, antennas: int, model: str, h: int, w: int, 
 
 
 def whole(dev: Device, x: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(dev.model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {session.get_inputs()[0].name: x})[0]
+    """The unpartitioned model (without the device's pixel prefix) on the reference preprocessing of x."""
+    session = ort.InferenceSession(dev.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: normalise(x, dev.preprocessing)})[0]
 
 
 CASES = [  # model, size, cut, servers, antennas, algorithm
@@ -66,12 +68,12 @@ def test_modnn_equals_the_whole_model_and_servers_exchange_directly(servers, mod
             assert len(used) == min(count, antennas)
         # the device sends each server only its own band: disjoint, covering the image, no halo
         job = uuid.uuid4().hex
-        x = np.random.default_rng(7).standard_normal((1, 3, h, w)).astype(np.float32)
+        x = np.random.default_rng(7).integers(0, 256, (1, 3, h, w), dtype=np.uint8)
         rows = []
         for i in range(count):
             request = runner.request(job, i, x)
             a, b = request.input.start, request.input.start + request.input.shape[2]
-            np.testing.assert_array_equal(np.frombuffer(request.input.data, np.float32).reshape(request.input.shape),
+            np.testing.assert_array_equal(np.frombuffer(request.input.data, np.uint8).reshape(request.input.shape),
                                           x[:, :, a:b])
             rows.append((a, b))
         assert rows[0][0] == 0 and rows[-1][1] == h
@@ -116,7 +118,7 @@ def modnn_run(address: str, request: dpb.ModnnRequest, timeout: float = 30.0) ->
 
 def test_a_peer_that_is_down_fails_the_job_naming_it_and_the_servers_stay_healthy(servers, small):
     dev, runner = small
-    x = np.zeros((1, 3, 64, 80), np.float32)
+    x = np.zeros((1, 3, 64, 80), np.uint8)
     request = runner.request(uuid.uuid4().hex, 0, x)
     request.peers[1] = "127.0.0.1:9"  # nothing listens there
     start = time.monotonic()
@@ -131,7 +133,7 @@ def test_a_peer_that_is_down_fails_the_job_naming_it_and_the_servers_stay_health
 
 def test_a_peer_that_never_sends_times_out_naming_it(servers, small):
     _, runner = small
-    x = np.zeros((1, 3, 64, 80), np.float32)
+    x = np.zeros((1, 3, 64, 80), np.uint8)
     request = runner.request(uuid.uuid4().hex, 0, x)  # server 1 never gets its part of this job
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
@@ -145,7 +147,7 @@ def test_a_peer_that_never_sends_times_out_naming_it(servers, small):
 
 def test_bad_modnn_requests_get_the_right_status(servers, small):
     _, runner = small
-    x = np.zeros((1, 3, 64, 80), np.float32)
+    x = np.zeros((1, 3, 64, 80), np.uint8)
 
     def bad(edit, code, words):
         request = runner.request(uuid.uuid4().hex, 0, x)
@@ -173,7 +175,7 @@ def test_a_dead_server_fails_the_frame_naming_it(servers):
     with serve_process("--threads", "1") as doomed, \
             make_device([servers[0], doomed], 2, 1, "resnet18", 64, 80, "layer1") as dev:
         runner = ModnnRunner(dev, "modnn-sa", exchange_timeout=3.0)
-        x = np.zeros((1, 3, 64, 80), np.float32)
+        x = np.zeros((1, 3, 64, 80), np.uint8)
         runner.run_frame(x)
         doomed.proc.kill()
         doomed.proc.wait()
@@ -198,7 +200,7 @@ def test_too_few_model_slots_is_a_clear_error(servers):
 def test_two_frames_at_once_stay_apart(servers, small):
     dev, runner = small
     rng = np.random.default_rng(11)
-    xs = [rng.standard_normal((1, 3, 64, 80)).astype(np.float32) for _ in range(2)]
+    xs = [rng.integers(0, 256, (1, 3, 64, 80), dtype=np.uint8) for _ in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:  # two jobs on the same servers at the same time
         outs = list(pool.map(lambda x: runner.run_frame(x)[0], xs))
     for x, out in zip(xs, outs, strict=True):
@@ -209,7 +211,7 @@ def test_two_frames_at_once_stay_apart(servers, small):
 def test_paced_sends_hold_each_antenna_for_its_bytes(servers):
     with make_device(servers, 2, 1, "resnet18", 64, 80, "layer1", pace=True, mbps=8.0) as dev:
         runner = ModnnRunner(dev, "modnn-sa")
-        x = np.zeros((1, 3, 64, 80), np.float32)
+        x = np.zeros((1, 3, 64, 80), np.uint8)
         _, timing = runner.run_frame(x)
         image_seconds = x.nbytes / (8.0 * 1e6 / 8)  # both bands over the one antenna: the whole image
         assert timing["sent"] >= 0.95 * image_seconds

@@ -142,6 +142,8 @@ class Partitioner:
         for t in tensors:
             if g.nodes[g.producer[t]].op_type == "Pad":
                 continue  # the same rows as the Pad's input, shifted: never a better cut
+            if all(g.nodes[i].op_type in ELEMENTWISE for i in g.ancestors(t)):
+                continue  # the image, point by point (e.g. the pixel normalisation): the image is the better cut
             readers = g.consumers.get(t, [])
             if len(readers) == 1 and g.nodes[readers[0]].output[0] in tensors:
                 reader = g.nodes[readers[0]]
