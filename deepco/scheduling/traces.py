@@ -53,6 +53,8 @@ def _open(path: Path) -> list[str]:
         return path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a folder; give one trace file") from None
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not a UTF-8 text file") from None
     except OSError as exc:

@@ -3,7 +3,7 @@
 They share one rule the papers leave open: a job runs its ``demand`` workers (the gang the owner asks for,
 from the trace's GPU count) on the edge if they fit now, and is sent to the cloud, where it then stays until
 it completes (the cloud is never preempted, Wang et al. Sec. III-A), once its data could be there
-(a_j + Delta_j,cloud) and the edge still has no room. Placement prefers one server (xi = 1, best fit), then
+(a_j + Delta_j,cloud), the edge still has no room and, for a finite cloud (She et al.), the cloud has. Placement prefers one server (xi = 1, best fit), then
 spreads the gang over the servers with most free slots.
 """
 
@@ -137,6 +137,7 @@ class Drf(_Gang):
             if jid not in self.alloc and jid not in self.cloud:
                 c = free.place_cloud(st.job, self.width(st.job), t)
                 if c is not None:
+                    free.take(c)
                     self.alloc[jid] = c
                     self.cloud.add(jid)
         return dict(self.alloc)
@@ -168,6 +169,8 @@ class _PriorityPreemptive(_Gang):
     def schedule(self, t: int, state: SimState) -> dict[int, Allocation]:
         free = FreeSlots(self.cluster)
         out: dict[int, Allocation] = dict(self.cloud)
+        for a in self.cloud.values():
+            free.take(a)
         order = sorted((st for jid, st in state.active.items() if jid not in self.cloud),
                        key=lambda st: self.key(st, t))
         for st in order:
@@ -178,6 +181,7 @@ class _PriorityPreemptive(_Gang):
                 self.prev.pop(job.id, None)
                 c = free.place_cloud(job, self.width(job), t)
                 if c is not None:
+                    free.take(c)
                     self.cloud[job.id] = c
                     out[job.id] = c
                 continue
