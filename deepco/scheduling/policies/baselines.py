@@ -3,8 +3,8 @@
 They share one rule the papers leave open: a job runs its ``demand`` workers (the gang the owner asks for,
 from the trace's GPU count) on the edge if they fit now, and is sent to the cloud, where it then stays until
 it completes (the cloud is never preempted, Wang et al. Sec. III-A), once its data could be there
-(a_j + Delta_j,cloud), the edge still has no room and, for a finite cloud (She et al.), the cloud has. Placement prefers one server (xi = 1, best fit), then
-spreads the gang over the servers with most free slots.
+(a_j + Delta_j,cloud), the edge still has no room and, for a finite cloud (She et al.), the cloud has room.
+Placement prefers one server (xi = 1, best fit), then spreads the gang over the servers with most free slots.
 """
 
 from __future__ import annotations
