@@ -70,8 +70,11 @@ class OnlineBatch(Policy):
     name = "online-batch"
     fixed_allocation = True
 
-    def __init__(self, f1: float = 1.0, f2: float = 1.0, horizon: int | None = None):
-        self.f1, self.f2, self.horizon = f1, f2, horizon
+    def __init__(self, f1: float = 1.0, f2: float = 1.0, horizon: int | None = None, cj_loop: bool = True):
+        """``f1``/``f2``: F_1, F_2 of eqs. (7)-(8); ``horizon``: T (default: last arrival + 1);
+        ``cj_loop=False`` is an ablation that drops Alg. 2's c_j loop (D_u loop only), so a utility tie goes
+        to the fewest workers (the project's behaviour before issue 17)."""
+        self.f1, self.f2, self.horizon, self.cj_loop = f1, f2, horizon, cj_loop
 
     def plan(self, cluster: SimCluster, jobs: Sequence[Job]) -> None:
         self.cluster = cluster
@@ -135,8 +138,11 @@ class OnlineBatch(Policy):
         """A_maxsche on window [start, end): accept jobs with positive utility; returns the accepted ids."""
         length = end - start
         n = len(self.priced_idx)
-        self.fw = np.zeros((n, length))  # f_su(t): workers taken in each slot of the window
-        self.fp = np.zeros((n, length))  # g_sv(t)
+        # no schedule outlasts the slowest one (one worker, spread): price only that many slots of the window
+        longest = max((math.ceil(j.total_work / j.rate(False) - 1e-9) for j in jobs), default=1)
+        span = max(1, min(length, longest))
+        self.fw = np.zeros((n, span))  # f_su(t): workers taken in each slot of the window
+        self.fp = np.zeros((n, span))  # g_sv(t)
         self._refresh()
         accepted: set[int] = set()
         for job in jobs:
@@ -145,23 +151,25 @@ class OnlineBatch(Policy):
                 continue
             # L_j: COST_C's and COST_D's schedule for each D_u, filed under the slot c_j = tau_i + d_j at
             # which it completes (line 2 of Algs. 3-4)
-            by_end: dict[int, dict[int, list[Schedule | None]]] = {}
-            for d_u in range(1, job.chunks + 1):
-                pair = (self.cost_c(job, d_u, length, view), self.cost_d(job, d_u, length, view))
-                for k, sch in enumerate(pair):
-                    if sch is not None:
-                        by_end.setdefault(start + sch.duration, {}).setdefault(d_u, [None, None])[k] = sch
+            pairs = {d_u: (self.cost_c(job, d_u, length, view), self.cost_d(job, d_u, length, view))
+                     for d_u in range(1, job.chunks + 1)}
+            if self.cj_loop:
+                by_end: dict[int, dict[int, list[Schedule | None]]] = {}
+                for d_u, pair in pairs.items():
+                    for k, sch in enumerate(pair):
+                        if sch is not None:
+                            by_end.setdefault(start + sch.duration, {}).setdefault(d_u, [None, None])[k] = sch
+                steps = [by_end[c_j][d_u] for c_j in sorted(by_end) for d_u in sorted(by_end[c_j])]  # lines 3-4
+            else:
+                steps = [list(pair) for pair in pairs.values()]
             best: Schedule | None = None
             eta = 0.0
-            for c_j in sorted(by_end):  # line 3: c_j = tau_i .. tau_(i+1), upward
-                for d_u in sorted(by_end[c_j]):  # line 4: D_u = 1 .. D_j
-                    central, spread = by_end[c_j][d_u]
-                    chosen = central
-                    if spread is not None and (central is None or spread.cost < central.cost):  # lines 7-9
-                        chosen = spread
-                    assert chosen is not None
-                    if 1.0 - chosen.cost > eta:  # line 11: strictly higher utility only
-                        best, eta = chosen, 1.0 - chosen.cost
+            for central, spread in steps:
+                chosen = central
+                if spread is not None and (central is None or spread.cost < central.cost):  # lines 7-9
+                    chosen = spread
+                if chosen is not None and 1.0 - chosen.cost > eta:  # line 11: strictly higher utility only
+                    best, eta = chosen, 1.0 - chosen.cost
             if best is None:
                 continue
             accepted.add(job.id)
