@@ -331,13 +331,14 @@ def _parse_sites(root: _Table, servers: tuple[Server, ...]) -> tuple[tuple[Site,
     return tuple(sites), tuple(links)
 
 
-def parse_cluster(data: dict[str, Any], source: str = "<memory>") -> Cluster:
-    """Build a Cluster from already-parsed TOML data; ``source`` names it in errors."""
+def parse_cluster(data: dict[str, Any], source: str = "<memory>", *, require_device: bool = True) -> Cluster:
+    """Build a Cluster from already-parsed TOML data; ``source`` names it in errors. ``require_device=False``
+    (the training scheduler) lets ``[device]`` be left out: the cluster then has a device with no antennas."""
     root = _Table(data, "", source)
     root.reject_unknown({"device", "workload", "servers", "sites", "links"})
     servers = _parse_servers(root)
     sites, links = _parse_sites(root, servers)
-    device = _parse_device(root)
+    device = _parse_device(root) if require_device or root.has("device") else Device(antennas=())
     for i, srv in enumerate(servers):
         if srv.antenna_addresses and len(srv.antenna_addresses) != len(device.antennas):
             raise root.fail(f"servers[{i}].antenna_addresses", f"has {len(srv.antenna_addresses)} addresses "
@@ -346,8 +347,8 @@ def parse_cluster(data: dict[str, Any], source: str = "<memory>") -> Cluster:
                    sites=sites, links=links, source=source)
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Load and validate a cluster TOML file."""
+def load_cluster(path: str | Path, *, require_device: bool = True) -> Cluster:
+    """Load and validate a cluster TOML file (``require_device``: see ``parse_cluster``)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -361,4 +362,4 @@ def load_cluster(path: str | Path) -> Cluster:
         raise ClusterError(f"{path}: not a UTF-8 text file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ClusterError(f"{path}: invalid TOML: {exc}") from None
-    return parse_cluster(data, str(path))
+    return parse_cluster(data, str(path), require_device=require_device)

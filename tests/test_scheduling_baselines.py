@@ -77,3 +77,25 @@ def test_batchsche_waits_for_the_batch_and_prefers_the_cheaper_site():
     r = simulate(cl1, [one], BatchSche(interval=4))
     # one worker on a 4-slot server: 0.5 * 8^(1/4) = 0.84 per worker-slot < 1.0 on the cloud -> edge
     assert not r.jobs[0].cloud and r.jobs[0].completion == 8
+
+
+def test_ablations_cloud_decided_once_and_pinned_gang():
+    # W = 1 edge server, edge delay 0, unbounded cloud with delay 2. A: 4 mini-batches (4 slots), B: 1 (1 slot),
+    # both arrive at 0; SRTF runs B first (c = 1).
+    # Default: A has no room at 0, the cloud is not ready before 2, so A takes the edge at 1: c = 5.
+    # Cloud decided once: at 0 A finds no edge room, is sent to the cloud, waits for its upload: runs 2-5, c = 6.
+    cl = make_cluster([(1, 1)], cloud_delay=2)
+    jobs = [job(0, 0, minibatches=4), job(1, 0, minibatches=1)]
+    bind_delays(jobs, cl)
+    assert completions(simulate(cl, jobs, Srtf())) == {0: 5, 1: 1}
+    r = simulate(cl, jobs, Srtf(cloud_at_arrival=True))
+    assert completions(r) == {0: 6, 1: 1} and [j.cloud for j in r.jobs] == [True, False]
+    # Pinned gang: two 1-worker servers, no cloud. A (5 slots) and X (10 slots) arrive at 0: A on e0 (best
+    # fit, lower index), X on e1. B (1 slot) arrives at 1 and ranks first: it takes e0.
+    # Free migration: A (4 left) moves to e1, X is preempted; A ends at 1 + 1 + 3 = 5, X runs 2-10, c = 11.
+    # Pinned: A may only use e0, so it waits; X keeps e1 (8 left after slot 1, c = 10); A runs 2-5, c = 6.
+    cl2 = make_cluster([(1, 1), (1, 1)])
+    trio = [job(0, 0, minibatches=5), job(1, 0, minibatches=10), job(2, 1, minibatches=1)]
+    bind_delays(trio, cl2)
+    assert completions(simulate(cl2, trio, Srtf())) == {0: 5, 1: 11, 2: 2}
+    assert completions(simulate(cl2, trio, Srtf(pinned=True))) == {0: 6, 1: 10, 2: 2}

@@ -47,3 +47,44 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert main(["schedule", "--cluster", EXAMPLE, "--jobs", "0"]) == 2
     assert main(["schedule", "--cluster", EXAMPLE, "--format", "gavel"]) == 2
     assert "--format gavel: give the trace file with --trace" in capsys.readouterr().err
+
+
+def test_the_shipped_example_runs_every_kind_of_policy(tmp_path, capsys):
+    # the example has no [device] table: scheduling must not need one
+    assert "\n[device]" not in Path(EXAMPLE).read_text()
+    assert main(["schedule", "--cluster", EXAMPLE, "--policy", "okita", "--jobs", "5", "--horizon", "10"]) == 0
+    assert main(["schedule", "--cluster", EXAMPLE, "--policy", "deep-edge"]) == 0
+    assert main(["schedule", "--cluster", EXAMPLE, "--policy", "fifo", "--jobs", "5"]) == 0
+    out = tmp_path / "o.json"
+    assert main(["schedule", "--cluster", EXAMPLE, "--policy", "okita", "--jobs", "5", "--horizon", "10",
+                 "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["cloud_jobs"] is None and 0 <= row["utilization"] <= 1 and row["preemptions"] >= 0
+
+
+def test_a_folder_trace_and_deep_edge_with_a_trace_are_one_line_errors(tmp_path, capsys):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "a.trace").write_text("x\n")
+    capsys.readouterr()
+    for policy in ("fifo", "okita"):
+        assert main(["schedule", "--cluster", EXAMPLE, "--trace", str(folder), "--policy", policy]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"deepco schedule: error: --trace {folder}: is a folder; give one trace file (it holds: a.trace)"
+    assert main(["schedule", "--cluster", EXAMPLE, "--policy", "deep-edge", "--trace", str(folder / "a.trace")]) == 2
+    assert "reads no trace" in capsys.readouterr().err
+
+
+def test_a_finite_cloud_is_refused_by_preemptive_and_skipped_by_all(tmp_path, capsys):
+    text = Path(EXAMPLE).read_text()
+    assert text.rstrip().endswith('site = "cloud"')
+    finite = tmp_path / "finite.toml"
+    finite.write_text(text.rstrip() + "\nworker_slots = 16\nps_slots = 4\n")
+    assert main(["schedule", "--cluster", str(finite), "--policy", "preemptive", "--jobs", "5"]) == 2
+    assert "assumes an unbounded cloud" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert main(["schedule", "--cluster", str(finite), "--jobs", "8", "--horizon", "20", "--json", str(out)]) == 0
+    assert "skipping preemptive" in capsys.readouterr().err
+    rows = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in rows] == ["online-batch", "preemptive-edge", "fifo", "drf", "srtf", "tiresias-l",
+                                           "batchsche"]

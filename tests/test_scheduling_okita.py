@@ -211,3 +211,7 @@ def test_drf_progressive_filling_and_fixed_deployment():
     r = run_udl(inst, UdlDrf())
     # fixed deployments, 2 chunks per worker per slot: A trains 8 a slot (40 / 8 = 5 slots), B 2 (20 slots)
     assert [(x.start, x.completion, x.idle) for x in r.jobs] == [(0, 40 // 8, 0), (0, 40 // 2, 0)]
+    # utilization, as the simulator defines it: workers' use over capacity x (last completion - first arrival).
+    # Slots 0-4: A's 4 workers x 1 + B's 1 x 2 = 6; slots 5-19: B's 2. (5 x 6 + 15 x 2) / (6 x 20) = 0.5
+    row = r.to_dict()
+    assert row["utilization"] == pytest.approx(0.5) and row["preemptions"] == 0 and row["cloud_jobs"] is None

@@ -7,7 +7,11 @@ name the seed whose ranges to use, ``she`` (default) or ``wang``, and ``--horizo
 ``--policy okita|okita-fifo|okita-drf|okita-oasis`` runs Okita's cost model instead (``deepco.scheduling.okita``):
 the cluster's edge sites with their servers' resources and the [[links]] costs, and synthetic jobs with the
 paper's ranges (or a trace's arrivals and sizes); the JSON rows add ``total_cost`` and ``bandwidth_cost``.
-``--policy deep-edge`` plans one model update (``deepco.scheduling.deep_edge``) over the cluster's servers.
+``--policy deep-edge`` plans one model update (``deepco.scheduling.deep_edge``) over the cluster's servers and
+takes no trace.
+
+Scheduling needs no ``[device]`` table in the cluster file. A cloud server with ``worker_slots`` (and
+``ps_slots``) is finite and priced like She et al.'s; ``preemptive`` assumes an unbounded cloud and refuses it.
 """
 
 from __future__ import annotations
@@ -61,8 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE", help="write a PNG: average JCT per policy and the JCT CDF")
 
 
+def check_trace_file(path: Path) -> None:
+    """A clear error for a folder given as ``--trace`` (the loaders read one file), naming the files in it."""
+    if path.is_dir():
+        files = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        hint = f" (it holds: {', '.join(files[:6])}{', ...' if len(files) > 6 else ''})" if files else ""
+        raise UserError(f"--trace {path}: is a folder; give one trace file{hint}")
+
+
 def detect_format(path: Path) -> str:
     """alibaba / gavel / tiresias from the file's first line; a TraceError if it matches none."""
+    check_trace_file(path)
     try:
         with path.open(encoding="utf-8") as f:
             first = f.readline()
@@ -100,6 +113,7 @@ def load_jobs(args: argparse.Namespace, cluster: SimCluster) -> list[Job]:
     if args.trace is None:
         raise UserError(f"--format {fmt}: give the trace file with --trace")
     path = Path(args.trace)
+    check_trace_file(path)
     fmt = fmt or detect_format(path)
     return load_trace(path, fmt, seed=args.seed, jobs=args.jobs, slot_seconds=args.slot_seconds)
 
@@ -162,7 +176,7 @@ def run_udl_policy(args: argparse.Namespace) -> int:
 
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {args.jobs}")
-    cap, q, names = cluster_sites(load_cluster(args.cluster))
+    cap, q, names = cluster_sites(load_cluster(args.cluster, require_device=False))
     rng = np.random.default_rng(args.seed)
     if args.trace is None or args.format == "synthetic":
         if args.horizon < 2:
@@ -170,6 +184,7 @@ def run_udl_policy(args: argparse.Namespace) -> int:
         arrivals = np.sort(rng.integers(0, max(1, 2 * args.horizon // 3), size=args.jobs or 100))
         jobs = [random_job(rng, i, int(a), len(names), args.latency_cost) for i, a in enumerate(arrivals)]
     else:
+        check_trace_file(Path(args.trace))
         fmt = args.format or detect_format(Path(args.trace))
         jobs = trace_jobs(args.trace, fmt, len(names), args.jobs, rng, slot_seconds=args.slot_seconds,
                           kind=args.latency_cost)
@@ -204,7 +219,10 @@ def run_deep_edge(args: argparse.Namespace) -> int:
     """``--policy deep-edge``: plan one model update over the cluster's servers (Alg. 1 of Deep-Edge)."""
     from deepco.scheduling.deep_edge import plan_from_cluster
 
-    plan = plan_from_cluster(load_cluster(args.cluster), samples=args.samples, slo_ms=args.slo_ms,
+    if args.trace is not None or args.format is not None:
+        raise UserError("--policy deep-edge plans one model update (--samples) and reads no trace; "
+                        "leave out --trace/--format")
+    plan = plan_from_cluster(load_cluster(args.cluster, require_device=False), samples=args.samples, slo_ms=args.slo_ms,
                              profile=args.profile)
     print(plan.table())
     if args.json:
@@ -218,10 +236,18 @@ def run(args: argparse.Namespace) -> int:
         return run_udl_policy(args)
     if args.policy == DEEP_EDGE:
         return run_deep_edge(args)
-    cluster = SimCluster.from_cluster(load_cluster(args.cluster))
+    cluster = SimCluster.from_cluster(load_cluster(args.cluster, require_device=False))
     jobs = load_jobs(args, cluster)
     bind_delays(jobs, cluster, seed=args.seed)
     names = list(POLICIES) if args.policy == ALL else [args.policy]
+    refused = [n for n in names if cluster.finite_cloud and make_policy(n).needs_unbounded_cloud]
+    if refused and args.policy != ALL:
+        raise UserError(f"{args.cluster}: --policy {args.policy} assumes an unbounded cloud (Wang et al.); this "
+                        "cluster's cloud server sets worker_slots. Remove them, or pick another policy")
+    if refused:
+        print(f"note: skipping {', '.join(refused)} (they assume an unbounded cloud; this cluster's cloud has "
+              "worker_slots)", file=sys.stderr)
+        names = [n for n in names if n not in refused]
     for name in names:
         edge_only = name == "preemptive-edge"
         bad = [j for j in jobs if not usable(j, cluster, edge_only=edge_only)]

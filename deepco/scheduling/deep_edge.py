@@ -56,10 +56,11 @@ class DeepEdgePlan:
     samples: int = 0
 
     def to_dict(self) -> dict[str, object]:
-        """JSON row of `deepco schedule --policy deep-edge`."""
+        """JSON row of `deepco schedule --policy deep-edge`: times in seconds; ``preemptions``, ``utilization``
+        and ``cloud_jobs`` are null (a plan of one update, not a simulated run)."""
         return {"policy": "deep-edge", "jobs": 1, "avg_jct": self.epoch_s, "total_jct": self.epoch_s,
-                "makespan": self.epoch_s, "preemptions": 0, "utilization": len(self.workers) / max(
-                    1, len(self.workers) + len(self.removed)), "cloud_jobs": 0, "samples": self.samples,
+                "makespan": self.epoch_s, "preemptions": None, "utilization": None, "cloud_jobs": None,
+                "samples": self.samples,
                 "workers": self.workers, "batch": self.batch, "shards": self.shards, "epoch_seconds": self.epoch_s,
                 "predicted_inference_ms": self.inference_ms, "removed": self.removed}
 

@@ -124,12 +124,15 @@ class SimResult:
 
     @property
     def utilization(self) -> float:
-        """Edge worker-slots used / (edge worker slots x makespan); the cloud is unbounded and left out."""
+        """Edge worker-slots used / (edge worker slots x makespan); the cloud is left out."""
         denom = self.edge_capacity * self.makespan
         return self.edge_busy / denom if denom else 0.0
 
     def to_dict(self) -> dict[str, object]:
-        """The JSON row of one policy."""
+        """The JSON row of one policy. The keys every scheduler shares (Okita's engine uses the same ones):
+        ``preemptions``: times a started, unfinished job ran fewer workers than in its previous slot (none
+        included); ``utilization``: workers' busy share of the edge's worker capacity from the first arrival to
+        the last completion; ``cloud_jobs``: jobs that ran at least one slot on the cloud."""
         return {"policy": self.policy, "jobs": len(self.jobs), "avg_jct": self.avg_jct,
                 "total_jct": self.total_jct, "makespan": self.makespan, "preemptions": self.preemptions,
                 "utilization": self.utilization,

@@ -2,7 +2,9 @@
 
 Built from the one cluster model (``deepco.cluster``): a server's ``resources.worker_slots`` and
 ``resources.ps_slots`` are W_s and P_s; ``worker_type``/``ps_type`` are the slot types u and v (None serves
-any type); a server in a site of kind ``cloud`` is the papers' cloud s_c, unbounded in workers and PSs.
+any type); a server in a site of kind ``cloud`` is the papers' cloud s_c. The cloud is unbounded in workers
+and PSs (Wang et al.'s model, and the default) unless its server gives ``worker_slots`` (and ``ps_slots``):
+then it is a finite server of [S] like She et al.'s cloud, and every policy must respect its W and P.
 A server with no site sits in an implicit edge site with no upload delay.
 """
 
@@ -61,6 +63,12 @@ class SimCluster:
         """The cloud server, if the cluster has one (the first server in a cloud site)."""
         return next((s for s in self.servers if s.cloud), None)
 
+    @property
+    def finite_cloud(self) -> bool:
+        """Whether the cloud has finite worker/PS slots (She et al.'s priced cloud) rather than unbounded ones."""
+        c = self.cloud
+        return c is not None and c.worker_slots < UNBOUNDED
+
     def edge_worker_capacity(self) -> int:
         """Total worker slots on edge servers (the denominator of utilisation)."""
         return sum(s.worker_slots for s in self.servers if not s.cloud)
@@ -89,10 +97,15 @@ class SimCluster:
                 site = by_name[srv.site]
             cloud = sites[site].kind == "cloud"
             res = srv.resources
+            # a cloud server that names its worker slots is finite (She et al.); else unbounded (Wang et al.)
+            bounded = not cloud or res.worker_slots > 0
+            if cloud and bounded and res.ps_slots < 1:
+                raise UserError(f"{cluster.source}: key 'servers.{srv.name}.ps_slots': a cloud with finite "
+                                "worker_slots needs ps_slots >= 1 too")
             servers.append(SimServer(
                 index=len(servers), name=srv.name, site=site, cloud=cloud,
-                worker_slots=UNBOUNDED if cloud else res.worker_slots,
-                ps_slots=UNBOUNDED if cloud else res.ps_slots,
+                worker_slots=res.worker_slots if bounded else UNBOUNDED,
+                ps_slots=res.ps_slots if bounded else UNBOUNDED,
                 worker_type=srv.worker_type, ps_type=srv.ps_type))
         if sum(1 for s in servers if s.cloud) > 1:
             # the papers have one cloud s_c; several unbounded servers would only be aliases of it

@@ -53,6 +53,8 @@ def _open(path: Path) -> list[str]:
         return path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a folder; give one trace file") from None
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not a UTF-8 text file") from None
     except OSError as exc:
@@ -179,10 +181,11 @@ def load_trace(path: str | Path, fmt: str, *, seed: int = 0, jobs: int | None = 
 
 def alibaba_cluster(path: str | Path, *, servers: int | None = None,
                     cloud_delay: tuple[float, float] = (10, 40), edge_delay: tuple[float, float] = (1, 4),
-                    typed: bool = True) -> Cluster:
+                    typed: bool = True, cloud_slots: tuple[int, int] | None = None) -> Cluster:
     """An edge-cloud cluster from ``openb_node_list_gpu_node.csv``: each node an edge server with W_s = GPUs
     and P_s = CPU cores (She et al.: "the number of GPUs and CPUs as that of workers and PSs"), the worker
-    type its GPU model when ``typed``, plus one unbounded cloud. Delays are the seeds' ranges."""
+    type its GPU model when ``typed``, plus one cloud: unbounded, or (worker slots, PS slots) = ``cloud_slots``.
+    Delays are the seeds' ranges."""
     path = Path(path)
     nodes = []
     for i, r in _csv_rows(path, ("sn", "cpu_milli", "gpu", "model")):
@@ -195,7 +198,8 @@ def alibaba_cluster(path: str | Path, *, servers: int | None = None,
             break
     if not nodes:
         raise TraceError(f"{path}: no node rows")
-    nodes.append({"name": "cloud", "capacity": 1.0, "site": "cloud"})
+    cloud = {"worker_slots": cloud_slots[0], "ps_slots": cloud_slots[1]} if cloud_slots else {}
+    nodes.append({"name": "cloud", "capacity": 1.0, "site": "cloud", **cloud})
     data = {
         "device": {"antennas": 1, "bandwidth": 1.0},
         "sites": [{"name": "edge", "kind": "edge", "upload_delay": edge_delay[0],

@@ -33,8 +33,9 @@ class UdlJobState:
     completed: int | None = None
     data_cost: float = 0.0
     param_cost: float = 0.0
-    idle_after_start: int = 0  # slots without workers after the first (preemptions / delays)
-    ran_last: bool = False
+    idle_after_start: int = 0  # slots without workers after the first (waits between slots)
+    preemptions: int = 0  # slots in which it, started and unfinished, ran fewer workers than the slot before
+    last_workers: int = 0  # workers it ran in the previous slot (0: did not run)
 
     @property
     def left(self) -> int:
@@ -74,7 +75,8 @@ class UdlJobResult:
     latency_cost: float
     data_cost: float
     param_cost: float
-    idle: int
+    idle: int  # slots without workers between its start and its completion
+    preemptions: int = 0  # see UdlJobState.preemptions
 
     @property
     def latency(self) -> int:
@@ -88,7 +90,7 @@ class UdlResult:
 
     policy: str
     jobs: list[UdlJobResult]
-    worker_busy: float = 0.0  # sum over slots of the fraction of all sites' resources in use (avg over k)
+    worker_busy: float = 0.0  # sum over slots and resource kinds of (workers' use / edge capacity), per kind
     slots: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -114,13 +116,24 @@ class UdlResult:
             return 0
         return max(j.completion for j in self.jobs) - min(j.start for j in self.jobs)
 
+    @property
+    def utilization(self) -> float:
+        """The workers' share of the edge's capacity from the first arrival to the last completion, averaged
+        over the resource kinds the sites have (the simulator's ``utilization`` with C_r^k for W_s)."""
+        if not self.jobs:
+            return 0.0
+        window = max(j.completion for j in self.jobs) - min(j.arrival for j in self.jobs)
+        kinds = self.extra.get("resource_kinds", 1.0)
+        return self.worker_busy / (kinds * window) if window else 0.0
+
     def to_dict(self) -> dict[str, object]:
-        """The JSON row: the other policies' fields (JCT = latency in slots) plus the costs."""
+        """The JSON row: the other policies' fields (JCT = latency in slots) plus the costs. ``cloud_jobs`` is
+        null: Okita's sites are the cluster's edge sites, its model has no cloud."""
         n = len(self.jobs)
         total_jct = float(sum(j.latency for j in self.jobs))
         return {"policy": self.policy, "jobs": n, "avg_jct": total_jct / n if n else 0.0, "total_jct": total_jct,
-                "makespan": self.makespan, "preemptions": sum(j.idle for j in self.jobs),
-                "utilization": self.worker_busy / self.slots if self.slots else 0.0, "cloud_jobs": 0,
+                "makespan": self.makespan, "preemptions": sum(j.preemptions for j in self.jobs),
+                "utilization": self.utilization, "cloud_jobs": None,
                 "total_cost": self.total_cost, "bandwidth_cost": self.bandwidth_cost,
                 "latency_cost": self.latency_cost,
                 "data_cost": sum(j.data_cost for j in self.jobs),
@@ -137,6 +150,8 @@ def run_udl(instance: UdlInstance, policy: UdlPolicy, *, max_slots: int = 100_00
     t = pending[0].arrival if pending else 0
     busy = 0.0
     slots = 0
+    total = cap.sum(axis=0)
+    kinds = total > 0  # resource kinds the edge has
     while nxt < len(pending) or active:
         while nxt < len(pending) and pending[nxt].arrival <= t:
             j = pending[nxt]
@@ -156,11 +171,16 @@ def run_udl(instance: UdlInstance, policy: UdlPolicy, *, max_slots: int = 100_00
             r, k = map(int, np.argwhere(over)[0])
             raise UdlError(f"slot {t}: {policy.name} uses {used[r, k]:g} of resource {k} at site {r} > "
                            f"C = {cap[r, k]:g} (2d)")
-        with np.errstate(invalid="ignore", divide="ignore"):
-            frac = np.where(cap > 0, used / np.where(cap > 0, cap, 1), np.nan)
-        busy += float(np.nanmean(frac)) if np.isfinite(frac).any() else 0.0
+        worker_use = np.zeros(cap.shape[1])
+        for jid, dec in decisions.items():
+            worker_use += float(dec.y.sum()) * active[jid].job.worker_demand
+        busy += float((worker_use[kinds] / total[kinds]).sum())
         for jid, st in list(active.items()):
             dec = decisions.get(jid)
+            workers = int(dec.y.sum()) if dec is not None else 0
+            if st.started is not None and workers < st.last_workers:
+                st.preemptions += 1
+            st.last_workers = workers
             if dec is None:
                 if st.started is not None:
                     st.idle_after_start += 1
@@ -176,7 +196,8 @@ def run_udl(instance: UdlInstance, policy: UdlPolicy, *, max_slots: int = 100_00
                 lat = st.completed - st.job.arrival
                 done.append(UdlJobResult(id=jid, arrival=st.job.arrival, start=st.started, completion=t + 1,
                                          latency_cost=st.job.cost(lat), data_cost=st.data_cost,
-                                         param_cost=st.param_cost, idle=st.idle_after_start))
+                                         param_cost=st.param_cost, idle=st.idle_after_start,
+                                         preemptions=st.preemptions))
                 del active[jid]
         t += 1
         slots += 1
@@ -185,7 +206,8 @@ def run_udl(instance: UdlInstance, policy: UdlPolicy, *, max_slots: int = 100_00
         if slots > max_slots:
             raise UdlError(f"{policy.name}: {len(active)} jobs unfinished after {max_slots} slots (starvation?)")
     done.sort(key=lambda r: r.id)
-    return UdlResult(policy=policy.name, jobs=done, worker_busy=busy, slots=slots)
+    return UdlResult(policy=policy.name, jobs=done, worker_busy=busy, slots=slots,
+                     extra={"resource_kinds": float(kinds.sum())})
 
 
 def _check(t: int, name: str, st: UdlJobState, dec: SlotDecision, inst: UdlInstance) -> None:

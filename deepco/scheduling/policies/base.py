@@ -15,12 +15,14 @@ class Policy:
 
     ``fixed_allocation``: the policy promises (2c)-(2d), a job's workers and PS never change or pause once it
     starts; the simulator checks it. ``no_migration``: a job only ever runs on servers its data was sent to
-    (``dispatched_servers``); the simulator checks it.
+    (``dispatched_servers``); the simulator checks it. ``needs_unbounded_cloud``: the policy's model has an
+    unbounded cloud (Wang et al.) and refuses a cluster whose cloud has finite slots.
     """
 
     name = "policy"
     fixed_allocation = False
     no_migration = False
+    needs_unbounded_cloud = False
 
     def plan(self, cluster: SimCluster, jobs: Sequence[Job]) -> None:
         """Planning-time hook, called once before the first slot. Online policies only keep ``cluster``."""

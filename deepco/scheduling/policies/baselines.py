@@ -3,8 +3,8 @@
 They share one rule the papers leave open: a job runs its ``demand`` workers (the gang the owner asks for,
 from the trace's GPU count) on the edge if they fit now, and is sent to the cloud, where it then stays until
 it completes (the cloud is never preempted, Wang et al. Sec. III-A), once its data could be there
-(a_j + Delta_j,cloud) and the edge still has no room. Placement prefers one server (xi = 1, best fit), then
-spreads the gang over the servers with most free slots.
+(a_j + Delta_j,cloud), the edge still has no room and, for a finite cloud (She et al.), the cloud has room.
+Placement prefers one server (xi = 1, best fit), then spreads the gang over the servers with most free slots.
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ class Drf(_Gang):
             if jid not in self.alloc and jid not in self.cloud:
                 c = free.place_cloud(st.job, self.width(st.job), t)
                 if c is not None:
+                    free.take(c)
                     self.alloc[jid] = c
                     self.cloud.add(jid)
         return dict(self.alloc)
@@ -151,12 +152,25 @@ class Drf(_Gang):
 class _PriorityPreemptive(_Gang):
     """Job-level preemptive gang scheduling by a priority key (all-or-nothing): each slot, jobs in key order
     keep their previous placement if it still fits, else get a new one (their data may move: the papers'
-    SRTF and Tiresias-L migrate); jobs that do not fit are preempted, or go to the cloud once it is ready."""
+    SRTF and Tiresias-L migrate); jobs that do not fit are preempted, or go to the cloud once it is ready.
+
+    Two ablations (not the papers' baselines) isolate how ``preemptive`` differs: ``pinned=True`` forbids
+    migration: a job keeps the servers and worker counts of its first placement, and waits while they are
+    taken. ``cloud_at_arrival=True`` decides edge or cloud once, as A_greedy dispatches, in the first slot
+    its data is on the edge (a_j + Delta_j,edge): a job with no edge room then waits for its upload to the
+    cloud and runs there; a job that got the edge never moves to the cloud."""
+
+    def __init__(self, gang: str = "demand", pinned: bool = False, cloud_at_arrival: bool = False):
+        super().__init__(gang)
+        self.pinned = pinned
+        self.cloud_at_arrival = cloud_at_arrival
 
     def plan(self, cluster: SimCluster, jobs: Sequence[Job]) -> None:
         self.cluster = cluster
         self.cloud: dict[int, Allocation] = {}
         self.prev: dict[int, Allocation] = {}
+        self.first: dict[int, Allocation] = {}  # pinned: each job's one placement
+        self.bound: dict[int, bool] = {}  # cloud_at_arrival: job id -> sent to the cloud
 
     def key(self, st, t: int) -> tuple:  # noqa: ANN001 - JobState
         raise NotImplementedError
@@ -164,25 +178,55 @@ class _PriorityPreemptive(_Gang):
     def on_complete(self, t: int, job: Job) -> None:
         self.cloud.pop(job.id, None)
         self.prev.pop(job.id, None)
+        self.first.pop(job.id, None)
+        self.bound.pop(job.id, None)
 
     def schedule(self, t: int, state: SimState) -> dict[int, Allocation]:
         free = FreeSlots(self.cluster)
         out: dict[int, Allocation] = dict(self.cloud)
+        for a in self.cloud.values():
+            free.take(a)
         order = sorted((st for jid, st in state.active.items() if jid not in self.cloud),
                        key=lambda st: self.key(st, t))
         for st in order:
             job = st.job
             prev = self.prev.get(job.id)
-            alloc = prev if prev is not None and free.fits(prev) else free.place_edge(job, self.width(job), t)
+            pin = self.first.get(job.id) if self.pinned else None
+            if self.cloud_at_arrival and self.bound.get(job.id):
+                c = free.place_cloud(job, self.width(job), t)
+                if c is not None:
+                    free.take(c)
+                    self.cloud[job.id] = c
+                    out[job.id] = c
+                continue
+            if pin is not None:
+                if not free.fits(pin):
+                    self.prev.pop(job.id, None)  # preempted; its data stays where it is
+                    continue
+                alloc = pin
+            elif prev is not None and free.fits(prev):
+                alloc = prev
+            else:
+                alloc = free.place_edge(job, self.width(job), t)
+            if self.cloud_at_arrival and job.id not in self.bound and free.edge_servers(job, t):
+                self.bound[job.id] = alloc is None and free.cloud_ready(job, NEVER)
+                if self.bound[job.id]:
+                    continue
             if alloc is None:
+                if self.cloud_at_arrival:
+                    self.prev.pop(job.id, None)
+                    continue  # it took the edge at arrival: it stays there
                 self.prev.pop(job.id, None)
                 c = free.place_cloud(job, self.width(job), t)
                 if c is not None:
+                    free.take(c)
                     self.cloud[job.id] = c
                     out[job.id] = c
                 continue
             free.take(alloc)
             self.prev[job.id] = alloc
+            if self.pinned:
+                self.first.setdefault(job.id, alloc)
             out[job.id] = alloc
         return out
 
@@ -204,13 +248,22 @@ class _PriorityPreemptive(_Gang):
 
 
 class Srtf(_PriorityPreemptive):
-    """SRTF (Wang et al. [16]): shortest remaining training time (remaining work / gang rate) first."""
+    """SRTF (Wang et al. [16]): shortest remaining training time (remaining work / gang rate) first.
+
+    ``static=True`` (an ablation) ranks by the whole job's training time instead, fixed at arrival, as
+    ``preemptive``'s HAPRF rate gamma = n / (E D B) is."""
 
     name = "srtf"
 
+    def __init__(self, gang: str = "demand", pinned: bool = False, static: bool = False,
+                 cloud_at_arrival: bool = False):
+        super().__init__(gang, pinned, cloud_at_arrival)
+        self.static = static
+
     def key(self, st, t: int) -> tuple:  # noqa: ANN001
         job = st.job
-        return (st.remaining / (self.width(job) * job.rate(True)), job.arrival, job.id)
+        work = job.total_work if self.static else st.remaining
+        return (work / (self.width(job) * job.rate(True)), job.arrival, job.id)
 
 
 class TiresiasL(_PriorityPreemptive):
@@ -223,8 +276,9 @@ class TiresiasL(_PriorityPreemptive):
 
     name = "tiresias-l"
 
-    def __init__(self, thresholds: Sequence[float] = (100.0, 1000.0), gang: str = "demand"):
-        super().__init__(gang)
+    def __init__(self, thresholds: Sequence[float] = (100.0, 1000.0), gang: str = "demand",
+                 pinned: bool = False, cloud_at_arrival: bool = False):
+        super().__init__(gang, pinned, cloud_at_arrival)
         self.thresholds = tuple(thresholds)
 
     def key(self, st, t: int) -> tuple:  # noqa: ANN001

@@ -9,20 +9,30 @@ allocation unchanged until they finish ((2c)-(2d)); the rest wait for round i+1.
 
 Prices: lambda_su(f) = theta_1^(f / W_su) - 1 with theta_1 = 2 T S U F_1 + 1 (eq. (7); the extraction lost the
 superscript, this is the compact-exponential form the definition of theta implies: 0 when idle, 2TSUF_1 when
-full), mu_sv(g) likewise with theta_2 = 2 T S V F_2 + 1 (eq. (8)). The cloud is unbounded, so its price is 0.
+full), mu_sv(g) likewise with theta_2 = 2 T S V F_2 + 1 (eq. (8)).
+
+The cloud: She et al. put the cloud in [S] with its own W and P, so a cloud server with finite
+``worker_slots``/``ps_slots`` is priced by (7)-(8) like every edge server (and its slots are a hard limit).
+A cloud without them is unbounded (Wang et al.'s model, the project's default); nothing can be priced
+against an infinite W, so it costs 0 and theta, F and S then only act on the edge.
 
 Ambiguities and our choices:
-- Alg. 2 loops c_j from tau_i to tau_{i+1} around the D_u loop, but COST_C/COST_D overwrite c_j with
-  tau_i + d_j; the c_j loop adds nothing, so we loop over D_u only and require c_j <= tau_{i+1}.
+- Alg. 2 loops c_j from tau_i to tau_(i+1) outside the D_u loop, while COST_C/COST_D compute the completion
+  themselves (c_j = tau_i + d_j, line 2 of Algs. 3-4). We read the pair as: at each c_j, the schedules of
+  COST_C/COST_D for D_u = 1..D_j that complete at c_j; lines 7-9 keep COST_D only when strictly cheaper, and
+  line 11 keeps a schedule only when its utility is strictly higher. Because the loops run c_j upward, a tie
+  in utility (e.g. every schedule on idle servers costs 0) goes to the earliest completion, then to the
+  fewest workers that reach it, then to co-location. A c_j at which no schedule completes evaluates nothing.
 - Alg. 3/4 admit servers with a_j + Delta_js < tau_i; constraint (2i) allows a_j + Delta_js <= tau_i, and our
   first slot of work is tau_i itself, so we use (2i).
-- Line 11 of Alg. 2 keeps the first schedule with the strictly highest utility; cost ties between servers
-  are broken by smaller upload delay, then lower index (edge before cloud on a tie).
+- Cost ties between servers inside COST_C/COST_D are broken by smaller upload delay, then lower index
+  (edge before cloud on a tie).
 - COST_D's last loop records a candidate only when it breaks; we also record it when the loop runs to the
   end (all workers moved), which the text clearly intends. Its price differences use the prices at tau_i
   as written.
 - T (horizon) in theta is not known online; the planning hook sets it to the last arrival + 1, or use
-  ``horizon``. F_1 = F_2 = 1 by default. S counts edge servers, U and V the distinct slot types.
+  ``horizon``. F_1 = F_2 = 1 by default. S counts every server of [S] (edge servers and the cloud), U and V
+  the distinct slot types of the priced servers.
 """
 
 from __future__ import annotations
@@ -60,22 +70,26 @@ class OnlineBatch(Policy):
     name = "online-batch"
     fixed_allocation = True
 
-    def __init__(self, f1: float = 1.0, f2: float = 1.0, horizon: int | None = None):
-        self.f1, self.f2, self.horizon = f1, f2, horizon
+    def __init__(self, f1: float = 1.0, f2: float = 1.0, horizon: int | None = None, cj_loop: bool = True):
+        """``f1``/``f2``: F_1, F_2 of eqs. (7)-(8); ``horizon``: T (default: last arrival + 1);
+        ``cj_loop=False`` is an ablation that drops Alg. 2's c_j loop (D_u loop only), so a utility tie goes
+        to the fewest workers (the project's behaviour before issue 17)."""
+        self.f1, self.f2, self.horizon, self.cj_loop = f1, f2, horizon, cj_loop
 
     def plan(self, cluster: SimCluster, jobs: Sequence[Job]) -> None:
         self.cluster = cluster
-        edge = cluster.edge
+        # the servers with prices: the edge and a finite cloud (an unbounded cloud is the free extra row)
+        priced = [s for s in cluster.servers if not s.cloud or cluster.finite_cloud]
         horizon = self.horizon or (max((j.arrival for j in jobs), default=0) + 1)
-        n_edge = max(1, len(edge))
-        u = max(1, len({s.worker_type for s in edge}))
-        v = max(1, len({s.ps_type for s in edge}))
-        self.theta1 = 2.0 * horizon * n_edge * u * self.f1 + 1.0
-        self.theta2 = 2.0 * horizon * n_edge * v * self.f2 + 1.0
-        self.edge_idx = np.array([s.index for s in edge], dtype=int)
-        self._pos = {s.index: i for i, s in enumerate(edge)}
-        self.W = np.array([s.worker_slots for s in edge], dtype=float)
-        self.P = np.array([s.ps_slots for s in edge], dtype=float)
+        n_servers = max(1, len(cluster.servers))
+        u = max(1, len({s.worker_type for s in priced}))
+        v = max(1, len({s.ps_type for s in priced}))
+        self.theta1 = 2.0 * horizon * n_servers * u * self.f1 + 1.0
+        self.theta2 = 2.0 * horizon * n_servers * v * self.f2 + 1.0
+        self.priced_idx = np.array([s.index for s in priced], dtype=int)
+        self._pos = {s.index: i for i, s in enumerate(priced)}
+        self.W = np.array([s.worker_slots for s in priced], dtype=float)
+        self.P = np.array([s.ps_slots for s in priced], dtype=float)
         self.waiting: list[Job] = []
         self.running: dict[int, Allocation] = {}
         self.round = 1
@@ -89,7 +103,7 @@ class OnlineBatch(Policy):
 
     # ---- prices (7)-(8) ----------------------------------------------------------------------------------
     def worker_price(self, used: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """lambda(f) per server (``rows`` of the edge servers, default all) and slot (eq. (7))."""
+        """lambda(f) per server (``rows`` of the priced servers, default all) and slot (eq. (7))."""
         w = (self.W if rows is None else self.W[rows])[:, None]
         return self.theta1 ** np.where(w > 0, used / np.maximum(w, 1), 1.0) - 1.0
 
@@ -123,25 +137,39 @@ class OnlineBatch(Policy):
     def maxsche(self, jobs: list[Job], start: int, end: int) -> set[int]:
         """A_maxsche on window [start, end): accept jobs with positive utility; returns the accepted ids."""
         length = end - start
-        n = len(self.edge_idx)
-        self.fw = np.zeros((n, length))  # f_su(t): workers taken in each slot of the window
-        self.fp = np.zeros((n, length))  # g_sv(t)
+        n = len(self.priced_idx)
+        # no schedule outlasts the slowest one (one worker, spread): price only that many slots of the window
+        longest = max((math.ceil(j.total_work / j.rate(False) - 1e-9) for j in jobs), default=1)
+        span = max(1, min(length, longest))
+        self.fw = np.zeros((n, span))  # f_su(t): workers taken in each slot of the window
+        self.fp = np.zeros((n, span))  # g_sv(t)
         self._refresh()
         accepted: set[int] = set()
         for job in jobs:
             view = self._view(job, start)
             if view is None:
                 continue
+            # L_j: COST_C's and COST_D's schedule for each D_u, filed under the slot c_j = tau_i + d_j at
+            # which it completes (line 2 of Algs. 3-4)
+            pairs = {d_u: (self.cost_c(job, d_u, length, view), self.cost_d(job, d_u, length, view))
+                     for d_u in range(1, job.chunks + 1)}
+            if self.cj_loop:
+                by_end: dict[int, dict[int, list[Schedule | None]]] = {}
+                for d_u, pair in pairs.items():
+                    for k, sch in enumerate(pair):
+                        if sch is not None:
+                            by_end.setdefault(start + sch.duration, {}).setdefault(d_u, [None, None])[k] = sch
+                steps = [by_end[c_j][d_u] for c_j in sorted(by_end) for d_u in sorted(by_end[c_j])]  # lines 3-4
+            else:
+                steps = [list(pair) for pair in pairs.values()]
             best: Schedule | None = None
             eta = 0.0
-            for d_u in range(1, job.chunks + 1):
-                options = [o for o in (self.cost_c(job, d_u, length, view),
-                                       self.cost_d(job, d_u, length, view)) if o is not None]
-                if not options:
-                    continue
-                cheapest = min(options, key=lambda o: o.cost)
-                if 1.0 - cheapest.cost > eta:
-                    best, eta = cheapest, 1.0 - cheapest.cost
+            for central, spread in steps:
+                chosen = central
+                if spread is not None and (central is None or spread.cost < central.cost):  # lines 7-9
+                    chosen = spread
+                if chosen is not None and 1.0 - chosen.cost > eta:  # line 11: strictly higher utility only
+                    best, eta = chosen, 1.0 - chosen.cost
             if best is None:
                 continue
             accepted.add(job.id)
@@ -155,8 +183,8 @@ class OnlineBatch(Policy):
         lam = self.worker_price(self.fw)
         mu = self.ps_price(self.fp)
         self.lam0, self.mu0 = lam[:, 0].copy(), mu[:, 0].copy()
-        zeros = np.zeros((len(self.edge_idx), 1))
-        # one extra row of zeros stands for the cloud (unbounded, so always priced 0)
+        zeros = np.zeros((len(self.priced_idx), 1))
+        # one extra row of zeros stands for an unbounded cloud (always priced 0)
         self.Lam = np.vstack([np.concatenate([zeros, np.cumsum(lam, axis=1)], axis=1),
                               np.zeros((1, lam.shape[1] + 1))])
         self.Mu = np.vstack([np.concatenate([zeros, np.cumsum(mu, axis=1)], axis=1),
@@ -182,10 +210,11 @@ class OnlineBatch(Policy):
             self.Mu[r, 1:] = np.cumsum(mu, axis=1)
 
     def _view(self, job: Job, start: int) -> _View | None:
-        """The servers job may use in this round with their prices at tau_i (fixed while it is priced)."""
+        """The servers job may use in this round with their prices at tau_i (fixed while it is priced): the
+        priced rows (edge, and a finite cloud), then an unbounded cloud as the free zero row."""
         cl = self.cluster
         rows, ids, delay, free_p = [], [], [], []
-        for i, s in enumerate(self.edge_idx):
+        for i, s in enumerate(self.priced_idx):
             srv = cl.servers[int(s)]
             if srv.serves_worker(job) and cl.ready(job, srv) <= start:
                 rows.append(i)
@@ -196,8 +225,9 @@ class OnlineBatch(Policy):
         free_w = list(self.W[r] - self.fw[r, 0])  # reservations all start at tau_i: slot 0 is the fullest
         lam0, mu0 = list(self.lam0[r]), list(self.mu0[r])
         c = cl.cloud
-        if c is not None and c.serves_worker(job) and c.serves_ps(job) and cl.ready(job, c) <= start:
-            rows.append(len(self.edge_idx))  # the zero row of Lam/Mu
+        free_cloud = c is not None and not cl.finite_cloud
+        if free_cloud and c.serves_worker(job) and c.serves_ps(job) and cl.ready(job, c) <= start:
+            rows.append(len(self.priced_idx))  # the zero row of Lam/Mu
             ids.append(c.index)
             delay.append(cl.delay(job, c))
             free_w.append(float(1 << 40))
@@ -298,7 +328,7 @@ class OnlineBatch(Policy):
 
 @dataclass
 class _View:
-    """One job's usable servers in a round (edge rows of the price tables, then the cloud)."""
+    """One job's usable servers in a round (priced rows of the price tables, then an unbounded cloud)."""
 
     rows: np.ndarray
     ids: np.ndarray

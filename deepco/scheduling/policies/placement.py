@@ -74,11 +74,14 @@ class FreeSlots:
         return Allocation(workers=workers, ps=ps.index)
 
     def place_cloud(self, job: Job, n: int, t: int) -> Allocation | None:
-        """All ``n`` workers and the PS on the cloud (xi = 1) once the data is there, else None."""
+        """All ``n`` workers and the PS on the cloud (xi = 1) once the data is there and, for a finite cloud,
+        while it has ``n`` free worker slots and a free PS slot; else None."""
         cloud = self.cluster.cloud
         if cloud is None or not cloud.serves_worker(job) or not cloud.serves_ps(job):
             return None
         if self.cluster.ready(job, cloud) > t:
+            return None
+        if self.workers[cloud.index] < n or self.ps[cloud.index] < 1:
             return None
         return Allocation(workers={cloud.index: n}, ps=cloud.index)
 

@@ -4,7 +4,8 @@
 Each data chunk of an arriving job is dispatched once to one worker (edge) or to the cloud, never migrated.
 Every edge worker then runs, each slot, its released chunk with the highest average processing rate
 gamma_jd = n_jsw / (E_j D_j B_j) (HAPRF); a later chunk with a higher rate preempts the running one, which
-keeps its data on the worker and resumes later. The cloud is unbounded and never preempted.
+keeps its data on the worker and resumes later. The cloud is unbounded and never preempted (a cluster whose
+cloud has finite slots is refused; ``preemptive-edge`` never uses the cloud).
 
 Ambiguities and our choices:
 - A(t0) in eq. (5), the chunks pending at t0 = r_j + Delta_js: we project the worker's queue from the arrival
@@ -96,10 +97,14 @@ class Preemptive(Policy):
     def __init__(self, edge_only: bool = False, seed: int = 0):
         self.edge_only = edge_only
         self.seed = seed
+        self.needs_unbounded_cloud = not edge_only  # a job's cloud chunks all start at once (Alg. 2 l. 12-16)
         if edge_only:
             self.name = "preemptive-edge"
 
     def plan(self, cluster: SimCluster, jobs: Sequence[Job]) -> None:
+        if self.needs_unbounded_cloud and cluster.finite_cloud:
+            raise SimulationError(f"{self.name}: Wang et al.'s A_online assumes an unbounded cloud; this cluster's "
+                                  "cloud has finite worker_slots")
         self.cluster = cluster
         self.rng = np.random.default_rng(self.seed)
         # queues[s][w]: chunks on worker w of edge server s, in HAPRF order
