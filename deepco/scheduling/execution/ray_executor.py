@@ -121,6 +121,7 @@ class ExecJob:
     groups: dict[int, tuple[int, Any]] = field(default_factory=dict)  # server -> (workers, actor)
     placed: dict[int, int] = field(default_factory=dict)  # server -> workers as Ray granted them
     ps_placed: int | None = None
+    pids: dict[str, int] = field(default_factory=dict)  # "ps" or a server's name -> process id
     finish: float | None = None
     loss_start: float | None = None
     loss_end: float | None = None
@@ -178,7 +179,7 @@ class RayExecutor:
             ej = self.jobs[jid]
             owed[jid] = per_slot[jid] * k * ej.target / ej.job.total_work + ej.credit
             quotas[jid] = max(0, min(ej.target - ej.steps, math.floor(owed[jid] + 1e-6)))
-        self.ray.get([self.jobs[j].ps.begin_step.remote(q, deadline) for j, q in quotas.items()])
+        self._on_each_ps([self.jobs[j] for j in quotas], "begin_step", lambda ej: (quotas[ej.job.id], deadline))
         pending: dict[Any, tuple[int, int, int]] = {}
         for jid, q in quotas.items():
             if q > 0:
@@ -189,7 +190,7 @@ class RayExecutor:
         self.timing["train"] += trained - placed
         done: dict[int, float] = {}
         actual: dict[int, Allocation] = {}
-        status = self.ray.get([self.jobs[j].ps.status.remote() for j in running]) if running else []
+        status = self._on_each_ps([self.jobs[j] for j in running], "status")
         ends = time.time()
         finished, boundary = [], []
         for (jid, alloc), st in zip(running.items(), status, strict=True):
@@ -210,7 +211,7 @@ class RayExecutor:
                 boundary.append(ej)
         self._finish(finished)
         if boundary:  # every running job starts its next step from a checkpoint
-            counts = self.ray.get([ej.ps.checkpoint.remote() for ej in boundary])
+            counts = self._on_each_ps(boundary, "checkpoint")
             for ej, c in zip(boundary, counts, strict=True):
                 ej.checkpoints = c
         self.timing["book"] += time.time() - trained
@@ -224,7 +225,7 @@ class RayExecutor:
         """Checkpoint and stop whole jobs (preempted), freeing their Ray resources."""
         if not jobs:
             return
-        counts = self.ray.get([ej.ps.checkpoint.remote() for ej in jobs])
+        counts = self._on_each_ps(jobs, "checkpoint")
         for ej, c in zip(jobs, counts, strict=True):
             ej.checkpoints = c
             self._kill_all(ej)
@@ -234,6 +235,7 @@ class RayExecutor:
             self.ray.kill(handle)
         ej.groups.clear()
         ej.placed.clear()
+        ej.pids.clear()
         if ej.ps is not None:
             self.ray.kill(ej.ps)
         ej.ps = ej.ps_server = ej.ps_placed = None
@@ -243,7 +245,7 @@ class RayExecutor:
         movers = [self.jobs[j] for j, a in running.items()
                   if self.jobs[j].ps is not None and self.jobs[j].ps_server != a.ps]
         if movers:  # a PS moving to another server goes through the checkpoint
-            counts = self.ray.get([ej.ps.checkpoint.remote() for ej in movers])
+            counts = self._on_each_ps(movers, "checkpoint")
             for ej, c in zip(movers, counts, strict=True):
                 ej.checkpoints = c
                 self.ray.kill(ej.ps)
@@ -268,7 +270,7 @@ class RayExecutor:
                                self.ray.get([i[2] for i in infos]), strict=True):
             self._record(ej, s, info)
         fresh = [ej for ej in {id(i[0]): i[0] for i in infos}.values() if ej.loss_start is None]
-        for ej, (loss, _) in zip(fresh, self.ray.get([ej.ps.evaluate.remote() for ej in fresh]), strict=True):
+        for ej, (loss, _) in zip(fresh, self._on_each_ps(fresh, "evaluate"), strict=True):
             ej.loss_start = loss
 
     def _start_ps(self, ej: ExecJob, server: int) -> None:
@@ -291,6 +293,7 @@ class RayExecutor:
 
     def _record(self, ej: ExecJob, server: int | None, info: dict[str, Any]) -> None:
         """Where Ray really put an actor: from the resources it holds, not from what was asked."""
+        ej.pids["ps" if server is None else self.cluster.servers[server].name] = int(info["pid"])
         for res, amount in info["resources"].items():
             kind, _, name = res.partition(":")
             if kind == "deepco_ps" and server is None:
@@ -327,7 +330,7 @@ class RayExecutor:
     def _alive(self, handle: Any) -> bool:
         ray = self.ray
         try:
-            ray.get(handle.status.remote(), timeout=30)
+            ray.get(handle.info.remote(), timeout=30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             return False
         return True
@@ -342,11 +345,7 @@ class RayExecutor:
         if ej.failures > MAX_FAILURES:
             raise ExecutionError(f"job {jid}: {ej.failures} failures; the last: {exc}")
         if not self._alive(ej.ps):
-            self.ray.kill(ej.ps)
-            self._start_ps(ej, ej.ps_server)  # type: ignore[arg-type]
-            info = self.ray.get(ej.ps.info.remote())
-            self._record(ej, None, info)
-            restored = int(info["steps"])
+            restored = self._revive_ps(ej)
             self.ray.get(ej.ps.begin_step.remote(max(0, quota - (restored - begin)), deadline))
             for s in ej.groups:
                 if s != server:
@@ -358,12 +357,37 @@ class RayExecutor:
             self._record(ej, server, self.ray.get(ej.groups[server][1].info.remote()))
         self._launch(jid, server, pending)
 
+    def _revive_ps(self, ej: ExecJob) -> int:
+        """A new PS on the same server from the job's last checkpoint; returns the steps it restored."""
+        self.ray.kill(ej.ps)
+        self._start_ps(ej, ej.ps_server)  # type: ignore[arg-type]
+        info = self.ray.get(ej.ps.info.remote())
+        self._record(ej, None, info)
+        return int(info["steps"])
+
+    def _on_each_ps(self, jobs: list[ExecJob], method: str, args: Any = None) -> list[Any]:
+        """Call ``method`` on each job's PS at once; a PS found dead is revived from its checkpoint (a failure
+        of the job) and asked again."""
+        ray = self.ray
+        refs = [getattr(ej.ps, method).remote(*(args(ej) if args else ())) for ej in jobs]
+        out = []
+        for ej, ref in zip(jobs, refs, strict=True):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                ej.failures += 1
+                if ej.failures > MAX_FAILURES:
+                    raise ExecutionError(f"job {ej.job.id}: {ej.failures} failures; its PS keeps dying") from None
+                self._revive_ps(ej)
+                out.append(ray.get(getattr(ej.ps, method).remote(*(args(ej) if args else ()))))
+        return out
+
     def _finish(self, jobs: list[ExecJob]) -> None:
         """Completed jobs: final loss on the held-out digits, a last checkpoint, and their actors stopped."""
         if not jobs:
             return
-        evals = self.ray.get([ej.ps.evaluate.remote() for ej in jobs])
-        counts = self.ray.get([ej.ps.checkpoint.remote() for ej in jobs])
+        evals = self._on_each_ps(jobs, "evaluate")
+        counts = self._on_each_ps(jobs, "checkpoint")
         for ej, (loss, acc), c in zip(jobs, evals, counts, strict=True):
             ej.loss_end, ej.accuracy_end, ej.checkpoints = loss, acc, c
             self._kill_all(ej)
@@ -375,14 +399,10 @@ class RayExecutor:
                 self._kill_all(ej)
 
     # ---- what happened ---------------------------------------------------------------------------------------
-    def pids(self, job_id: int) -> dict[str, Any]:
-        """The processes of a running job: {"ps": pid, "workers": {server: pid}} (for fault tests)."""
-        ej = self.jobs[job_id]
-        ray = self.ray
-        out: dict[str, Any] = {"ps": ray.get(ej.ps.info.remote())["pid"] if ej.ps is not None else None}
-        out["workers"] = {self.cluster.servers[s].name: ray.get(h.info.remote())["pid"]
-                          for s, (_, h) in ej.groups.items()}
-        return out
+    def pids(self, job_id: int) -> dict[str, int]:
+        """The processes of a job's current actors: "ps" and each worker server's name -> pid (for fault
+        tests; read from what the actors reported when they started, so it never waits on a busy actor)."""
+        return dict(self.jobs[job_id].pids)
 
     def rows(self, executed: SimResult, simulated: SimResult) -> list[dict[str, Any]]:
         """One JSON row per executed job; JCTs in seconds (wall) and slots (the executed loop, the simulation)."""
