@@ -98,8 +98,8 @@ def test_fifo_executed_on_ray_trains_every_job_where_the_policy_put_it(cluster, 
         assert r["steps"] == ex.jobs[jid].target  # every real step the job stands for was applied
         assert r["loss_end"] < r["loss_start"] - 0.3, r
         assert r["ps_node"] in names and set(r["worker_nodes"]) <= names
-        # the model's rate bounds the real one: executing can only be as fast as simulated, or slower
-        assert r["exec_jct"] >= r["sim_jct"] and r["wall_jct"] > 0
+        # the executed loop delivered the plan: same JCT in slots; the wall clock can only stretch it
+        assert r["exec_jct"] == r["sim_jct"] and r["wall_jct"] >= 0.9 * r["sim_jct"] * 0.25
         assert r["checkpoints"] >= 1
         with np.load(tmp_path / f"job-{jid}.npz") as z:
             assert int(z["steps"]) == r["steps"]
@@ -156,7 +156,7 @@ def test_cli_executes_the_synthetic_she_workload_and_plots(tmp_path, capsys):
     assert "average JCT: simulated" in capsys.readouterr().out
 
 
-def run_cli(*args: str, env_code: str = "") -> subprocess.CompletedProcess:
+def run_cli(*args: str, env_code: str = "pass") -> subprocess.CompletedProcess:
     code = f"import sys; {env_code}; from deepco.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
@@ -166,7 +166,7 @@ def test_execute_without_ray_installed_is_one_line():
                 env_code="sys.modules['ray'] = None")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
-        "deepco: error: --execute ray needs Ray, which is not installed: pip install 'deepco[ray]'"], p.stderr
+        "deepco schedule: error: --execute ray needs Ray, which is not installed: pip install 'deepco[ray]'"], p.stderr
 
 
 def test_execute_needs_one_jct_policy():

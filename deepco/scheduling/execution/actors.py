@@ -5,8 +5,9 @@ come from the driver through Ray's object store (``data``), so no actor imports 
 
 - ``ParameterServer``: holds the job's parameters, applies every pushed gradient at once (asynchronous SGD, as
   in eq. (1) of both seeds: each worker's rate does not depend on the others), hands out one *ticket* per
-  mini-batch so that the job trains at most the work the schedule gave it in this step, paced evenly over the
-  step, and checkpoints to the shared directory (atomically: write, then rename) once per slot and on demand.
+  mini-batch so that the job trains exactly the work the schedule gave it in this step, paced evenly over the
+  step (and on past its end when it is late), and checkpoints to the shared directory (atomically: write,
+  then rename) once per slot and on demand.
 - ``WorkerGroup``: the ``count`` workers a job runs on one server (one Ray actor holding ``count`` units of
   that server's worker resource). Each worker pulls the parameters, computes one mini-batch's gradient on
   its own stream of samples and pushes it; the workers take turns, so the group needs one process.
@@ -66,7 +67,7 @@ class ParameterServer:
     def pull(self) -> tuple[str, object, int]:
         """("go", params, version) with a ticket, ("wait", seconds, 0), or ("stop", None, 0) for this step."""
         now = time.time()
-        if self.issued >= self.quota or now >= self.deadline:
+        if self.issued >= self.quota:  # a late step runs on past its deadline until its work is done
             return "stop", None, 0
         due = self.begin + self.issued * (self.deadline - self.begin) / self.quota
         if now < due:

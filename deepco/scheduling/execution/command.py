@@ -125,8 +125,9 @@ def run_executed(args: argparse.Namespace, cluster: SimCluster, jobs: list[Job])
                                      progress=bar, executor=executor).run()
             finally:
                 executor.close()
-    except (ExecutionError, SimulationError) as exc:
-        raise UserError(f"execution on Ray failed: {exc}") from None
+    except (ExecutionError, SimulationError, ray.exceptions.RayError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"execution on Ray failed: {first}") from None
     finally:
         if started:
             ray.shutdown()

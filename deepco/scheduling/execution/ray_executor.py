@@ -9,11 +9,14 @@ The simulator keeps admission, the policy and the constraint checks; this execut
    server with n of the job's workers, a ``WorkerGroup`` actor holding n units of ``deepco_worker:<server>``;
    a PS started for a job that has a checkpoint resumes from it;
 3. gives each PS its quota, the mini-batches the model says the step is worth (``k`` slots at the policy's
-   rate, scaled to the job's real steps), to be paced over ``k * slot_seconds`` of wall clock, and lets the
-   workers train until the PS says stop;
-4. reports back what really happened: the mini-batches each job's PS applied (fewer than planned when
-   starting actors, restoring or a fault cost time) and the placement Ray really granted (the actors' own
-   assigned resources), which the simulator checks against the model's constraints.
+   rate, scaled to the job's real steps), paced over ``k * slot_seconds`` of wall clock, and lets the workers
+   train until the quota is done: a step whose work is late (actor start-up, a restore, a fault, a busy CPU)
+   runs on past its deadline, stretching wall-clock time rather than the schedule, so every decision the
+   policy made stays feasible (a fixed-allocation plan such as online-batch's reserves the slots after a
+   job's planned end for other jobs);
+4. reports back what really happened: the step's work, once the PSs applied it, and the placement Ray really
+   granted (the actors' own assigned resources), which the simulator checks against the model's
+   constraints.
 
 A worker process that dies is replaced on the same server and the job goes on; a PS process that dies is
 replaced from the job's last checkpoint, so only the work since it is lost.
@@ -114,7 +117,6 @@ class ExecJob:
     target: int  # real SGD steps the job's E*D*M mini-batches stand for
     arrival: float  # wall clock when its arrival slot began
     steps: int = 0  # steps applied so far (as of the last step boundary)
-    credit: float = 0.0  # the fraction of a step the quota rounding has owed the job
     ps: Any = None
     ps_server: int | None = None
     incarnation: int = 0  # PS processes started so far (a replaced PS makes older worker runs stale)
@@ -174,11 +176,12 @@ class RayExecutor:
         self.timing["place"] += placed - now
         begin = {jid: self.jobs[jid].steps for jid in running}
         quotas: dict[int, int] = {}
-        owed: dict[int, float] = {}
         for jid in running:
-            ej = self.jobs[jid]
-            owed[jid] = per_slot[jid] * k * ej.target / ej.job.total_work + ej.credit
-            quotas[jid] = max(0, min(ej.target - ej.steps, math.floor(owed[jid] + 1e-6)))
+            ej, total = self.jobs[jid], self.jobs[jid].job.total_work
+            # real steps track the model's cumulative progress, so the job ends in the step the model says
+            after = max(0.0, active[jid].remaining - per_slot[jid] * k)
+            goal = ej.target if after <= 1e-9 * total else round(ej.target * (1.0 - after / total))
+            quotas[jid] = max(0, goal - ej.steps)
         self._on_each_ps([self.jobs[j] for j in quotas], "begin_step", lambda ej: (quotas[ej.job.id], deadline))
         pending: dict[Any, tuple[int, int, int]] = {}
         for jid, q in quotas.items():
@@ -196,10 +199,9 @@ class RayExecutor:
         for (jid, alloc), st in zip(running.items(), status, strict=True):
             ej = self.jobs[jid]
             ej.steps = int(st["steps"])
-            made = ej.steps - begin[jid]
-            ej.credit = owed[jid] - quotas[jid] if made >= quotas[jid] else 0.0
-            # a finished job reports all its work (the simulator caps it at what is left)
-            done[jid] = ej.job.total_work if ej.steps >= ej.target else made * ej.job.total_work / ej.target
+            if ej.steps - begin[jid] < quotas[jid]:
+                raise ExecutionError(f"slot {t}: job {jid} trained {ej.steps - begin[jid]} of its {quotas[jid]} steps")
+            done[jid] = per_slot[jid] * k  # the step's work, done for real (the simulator caps it at what is left)
             actual[jid] = Allocation(workers=dict(ej.placed), ps=ej.ps_placed, work=alloc.work)  # type: ignore[arg-type]
             for s, n in ej.placed.items():
                 ej.spans.append((self.cluster.servers[s].name, f"{n} worker{'s' * (n > 1)}", now, ends))
