@@ -26,6 +26,7 @@ from pathlib import Path
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.scheduling import POLICIES, SimCluster, SimResult, Simulator, bind_delays, make_policy
+from deepco.scheduling.execution import command as execution
 from deepco.scheduling.jobs import Job
 from deepco.scheduling.policies.baselines import GANGS
 from deepco.scheduling.synthetic import PRESETS, synthetic_jobs
@@ -62,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ms", type=float, help="deep-edge: the inference SLO (default: the profile's)")
     p.add_argument("--profile", metavar="FILE", help="deep-edge: profile JSON (default: the committed one)")
     p.add_argument("--json", metavar="FILE", help="write {\"results\": [...]} to FILE")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG: average JCT per policy and the JCT CDF")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG: average JCT per policy and the JCT CDF "
+                   "(with --execute: a Gantt chart of what ran where)")
+    execution.add_arguments(p)
 
 
 def check_trace_file(path: Path) -> None:
@@ -232,6 +235,7 @@ def run_deep_edge(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Load, simulate every requested policy on the same jobs, print, and write JSON/plot."""
+    execution.check_flags(args)
     if args.policy in UDL:
         return run_udl_policy(args)
     if args.policy == DEEP_EDGE:
@@ -255,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.cluster}: job {bad[0].id} ({bad[0].name}) has no "
                             f"{'edge ' if edge_only else ''}server with a worker slot of type "
                             f"{bad[0].worker_type} and a PS slot of type {bad[0].ps_type} (policy {name})")
+    if args.execute:
+        return execution.run_executed(args, cluster, jobs)
     from tqdm import tqdm
 
     results, seconds = [], []

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from deepco.scheduling.jobs import Job
 from deepco.scheduling.topology import SimCluster
@@ -27,6 +27,15 @@ if TYPE_CHECKING:
     from deepco.scheduling.policies.base import Policy
 
 EPS = 1e-9
+
+
+class Executor(Protocol):
+    """The execution part of the loop when a schedule is carried out for real (not only simulated)."""
+
+    def execute(self, t: int, k: int, allocs: dict[int, Allocation], per_slot: dict[int, float],
+                active: dict[int, JobState]) -> tuple[dict[int, float], dict[int, Allocation]]:
+        """Run slots [t, t + k) of the running jobs' ``allocs`` (planned mini-batches per slot in
+        ``per_slot``); return the mini-batches each really trained and the allocation it really had."""
 
 
 class SimulationError(RuntimeError):
@@ -143,8 +152,9 @@ class Simulator:
     """Drives one policy over one workload on one cluster, checking every constraint each slot."""
 
     def __init__(self, cluster: SimCluster, jobs: Sequence[Job], policy: Policy, *,
-                 max_slots: int = 10_000_000, progress: object | None = None):
-        """``progress``: anything with ``update(n)`` (a tqdm bar), told of each completed job."""
+                 max_slots: int = 10_000_000, progress: object | None = None, executor: Executor | None = None):
+        """``progress``: anything with ``update(n)`` (a tqdm bar), told of each completed job. ``executor``:
+        carries each step out for real (``deepco.scheduling.execution``); the books then follow what it did."""
         ids = [j.id for j in jobs]
         if len(set(ids)) != len(ids):
             raise SimulationError("job ids must be unique")
@@ -155,6 +165,7 @@ class Simulator:
         self.cluster, self.jobs, self.policy = cluster, list(jobs), policy
         self.max_slots = max_slots
         self.progress = progress
+        self.executor = executor
 
     def run(self) -> SimResult:
         """Simulate until every job completes."""
@@ -206,6 +217,10 @@ class Simulator:
                         left = st.remaining - EPS * max(1.0, job.total_work)
                         k = min(k, max(1, math.ceil(left / work - 1e-12)))
             k = max(1, k)
+            if self.executor is not None:  # execution for real: check and count what really ran, not the plan
+                really, allocs = self.executor.execute(t, k, {j: allocs[j] for j in per_slot}, per_slot, active)
+                self._check(t, active, allocs)
+                per_slot = {jid: really[jid] / k for jid in per_slot}
             executed: dict[int, float] = {}
             for jid in running - per_slot.keys():
                 st = active[jid]
