@@ -34,9 +34,10 @@ SWEEPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco bench`."""
-    p.add_argument("--servers", type=int, default=4)
-    p.add_argument("--antennas", type=int, default=2)
-    p.add_argument("--bandwidth", type=float, default=100.0, metavar="MBPS", help="per antenna (default 100)")
+    p.add_argument("--servers", type=int, default=4, help="servers, each in its own namespace (default 4)")
+    p.add_argument("--antennas", type=int, default=2, help="antennas of the device (default 2)")
+    p.add_argument("--bandwidth", type=float, default=100.0, metavar="MBPS",
+                   help="bandwidth of each antenna in Mbit/s, shaped with tc (default 100)")
     p.add_argument("--shares", default=None,
                    help="CPU share of each server, comma-separated (default 0.45,0.30,0.15,0.10 ...)")
     p.add_argument("--device-share", type=float, default=0.5,
@@ -44,15 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-bandwidth", default="same", metavar="MBPS|same|lan",
                    help="each server's own link, which MoDNN's exchanges cross: Mbit/s, 'same' as the antennas "
                         "(default: wireless peers) or 'lan' (unshaped)")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--input-size", default="224x224", metavar="HxW")
-    p.add_argument("--algorithms", default="thread,thread-sa,modnn-sa,modnn-ma,single")
-    p.add_argument("--frames", type=int, default=20)
-    p.add_argument("--cut", default="auto")
-    p.add_argument("--sweep", choices=list(SWEEPS), default=None)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
-    p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing)")
+    p.add_argument("--model", default="resnet18", help="zoo model name or path to an .onnx file (default resnet18)")
+    p.add_argument("--input-size", default="224x224", metavar="HxW", help="input height x width (default 224x224)")
+    p.add_argument("--algorithms", default="thread,thread-sa,modnn-sa,modnn-ma,single",
+                   help="comma-separated, timed interleaved frame by frame (default "
+                        "thread,thread-sa,modnn-sa,modnn-ma,single)")
+    p.add_argument("--frames", type=int, default=20, help="timed frames per algorithm (default 20)")
+    p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto (default)")
+    p.add_argument("--sweep", choices=list(SWEEPS), default=None,
+                   help="repeat over a range: bandwidth 25..400 Mbit/s, capacity x0.5..x2 (every server's CPU "
+                        "share), antennas 1..4, servers 1..4 (default: one point)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of measured and predicted latency (default: none)")
+    p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing; default: "
+                   "only without root, tc or a cpu cgroup)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one testbed run may take (default 600)")
 
 

@@ -32,3 +32,16 @@ def test_a_closed_stdout_ends_quietly_without_a_traceback() -> None:
     assert (code, stderr) == (141, "")  # 128 + SIGPIPE, as a shell reports a tool the signal ended
     code, stderr = _closed_stdout("schedule", "--help")  # argparse ignores the failed write itself
     assert stderr == ""
+
+
+def test_every_bench_flag_says_what_it_does_and_its_default() -> None:
+    import argparse
+
+    from device import bench_command
+
+    parser = argparse.ArgumentParser()
+    bench_command.add_arguments(parser)
+    flags = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert len(flags) >= 15
+    for action in flags:
+        assert action.help and "default" in action.help, action.option_strings
