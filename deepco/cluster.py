@@ -152,8 +152,11 @@ class Cluster:
         missing = []
         if not self.device.declared:
             missing.append("device")
-        elif any(a.bandwidth is None for a in self.device.antennas):
+        elif all(a.bandwidth is None for a in self.device.antennas):
             missing.append("device.bandwidth")
+        else:  # only [[device.antenna]] tables can give some antennas a bandwidth and not others
+            missing += [f"device.antenna[{i}].bandwidth" for i, a in enumerate(self.device.antennas)
+                        if a.bandwidth is None]
         missing += [f"servers[{i}].capacity" for i, s in enumerate(self.servers) if s.capacity is None]
         if self.workload is None:
             missing.append("workload")

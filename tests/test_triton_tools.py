@@ -173,11 +173,12 @@ def test_perf_analyzer_measures_throughput_at_concurrency_1_and_2(server: str, c
     client.load_model("conv", files={"file:1/model.onnx": conv_model()})
     report = tmp_path / "perf.csv"
     run = subprocess.run([str(binary), "-m", "conv", "-u", server, "-i", "grpc", "--shape", "input:1,3,32,32",
-                          "--concurrency-range", "1:2", "--measurement-interval", "500", "--max-trials", "6",
+                          "--concurrency-range", "1:2", "--measurement-interval", "500", "--max-trials", "10",
+                          "--stability-percentage", "1000",
                           "-f", str(report)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))
-    assert [row["Concurrency"] for row in rows] == ["1", "2"]
+    assert [row["Concurrency"] for row in rows] == ["1", "2"], run.stdout
     assert all(float(row["Inferences/Second"]) > 0 for row in rows)
     # perf_analyzer read the server's side from ModelStatistics: it printed a server section per level.
     assert run.stdout.count("  Server: ") == 2, run.stdout
