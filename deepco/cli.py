@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import sys
 
+import deepco
 from deepco.errors import UserError
 
 # subcommand -> (module providing add_arguments(parser) and run(args) -> int, help)
@@ -40,9 +43,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def version() -> str:
+    """The installed package's version (its metadata); deepco.__version__ when run from a source tree."""
+    try:
+        return importlib.metadata.version("deepco")
+    except importlib.metadata.PackageNotFoundError:
+        return deepco.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every registered subcommand."""
     parser = _Parser(prog="deepco", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"deepco {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         command = importlib.import_module(module)
@@ -52,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: run one subcommand; user errors print one line and exit 2."""
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
@@ -63,6 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"deepco {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run one subcommand; user errors print one line and exit 2.
+
+    When the reader of stdout goes away (`deepco ... | head`), stop quietly with 141 (128 + SIGPIPE, what
+    a shell reports for a tool killed by the signal) instead of a BrokenPipeError traceback.
+    """
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at interpreter exit, where a broken pipe can no longer be caught
+        return code
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's own final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

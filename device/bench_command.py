@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="independent repetitions (testbed, setup and plan each time); tables give medians")
     p.add_argument("--cut", default="auto", help="THREAD's cut (default auto)")
     p.add_argument("--sweep", choices=list(SWEEPS), default=None, help="repeat over a range of one parameter")
-    p.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--json", metavar="FILE",
+                   help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
     p.add_argument("--plot", metavar="FILE.png", help="write a plot")
     p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing)")
     p.add_argument("--timeout", type=float, default=1200.0,

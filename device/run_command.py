@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     if args.frames is not None and args.frames <= 0:
         raise UserError(f"--frames must be positive, got {args.frames}")
     cluster = load_cluster(args.cluster)
+    cluster.require_addresses()
+    if args.pace:
+        cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = preprocessing_for(args.model)
     inputs: list[np.ndarray] = []

@@ -22,6 +22,7 @@ from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
 from server.modnn import ModnnService, parse_request
+from server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
 
 log = logging.getLogger("deepco.serve")
 
@@ -104,11 +105,12 @@ class ServerState:
         self.registry, self.admission = registry, admission
         self.draining = threading.Event()
         self.peer_security = ChannelSecurity()  # how to dial peer servers (MoDNN); server.app sets it
+        self.statistics = Statistics()  # Triton's statistics extension, per loaded model
 
     def extensions(self) -> list[str]:
         """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
         runtime = self.registry.runtime
-        return ["model_repository", "deepco_profile", f"deepco_device={runtime.device}",
+        return [*EXTENSIONS, "deepco_profile", f"deepco_device={runtime.device}",
                 f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
                 f"deepco_max_models={self.registry.max_models}", f"deepco_max_inflight={self.admission.limit}"]
 
@@ -156,15 +158,37 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_statuses
     def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
         model = self.state.registry.get(request.model_name, request.model_version)
-        arrays = decode_inputs(request)
-        model.check_inputs(arrays)
-        outputs = model.output_names([o.name for o in request.outputs])
-        with self.state.admission:
-            results = model.run(arrays, outputs)
-        response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
-        for name in outputs:
-            add_output(response, name, results[name])
+        with self.state.statistics.measuring(model) as timer:
+            arrays = decode_inputs(request)
+            model.check_inputs(arrays)
+            outputs = model.output_names([o.name for o in request.outputs])
+            classes = classification_counts(request, model)
+            timer.lap("compute_input")
+            with self.state.admission:
+                timer.lap("queue")
+                results = model.run(arrays, outputs)
+                timer.lap("compute_infer")
+            response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+            for name in outputs:
+                if name in classes:
+                    add_classification(response, name, results[name], classes[name])
+                else:
+                    add_output(response, name, results[name])
+            timer.lap("compute_output")
         return response
+
+    @_statuses
+    def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.ServicerContext) -> pb.ModelConfigResponse:
+        """Triton's model-configuration extension: the configuration derived from the loaded ONNX model."""
+        return pb.ModelConfigResponse(config=model_config(self.state.registry.get(request.name, request.version)))
+
+    @_statuses
+    def ModelStatistics(self, request: pb.ModelStatisticsRequest,
+                        context: grpc.ServicerContext) -> pb.ModelStatisticsResponse:
+        """Triton's statistics extension: one model's counters, or every loaded model's (empty name)."""
+        registry = self.state.registry
+        models = [registry.get(request.name, request.version)] if request.name else registry.all()
+        return self.state.statistics.response(models)
 
     @_statuses
     def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
@@ -214,19 +238,26 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
     def Run(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
         with _answering("Run", context):
             model = self.state.registry.get(request.model_name, request.model_version)
-            arrays = decode_inputs(request)
-            model.check_inputs(arrays)
-            outputs = model.output_names([o.name for o in request.outputs])
-        yield dpb.RunEvent(received=dpb.RunReceived())
-        with _answering("Run", context):
-            queued = time.perf_counter()
-            with self.state.admission.waiting(RUN_QUEUE_SECONDS):
-                start = time.perf_counter()
-                results = model.run(arrays, outputs)
-                done = time.perf_counter()
-            response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
-            for name in outputs:
-                add_output(response, name, results[name])
+        with self.state.statistics.measuring(model) as timer:  # counted in ModelStatistics like ModelInfer
+            with _answering("Run", context):
+                arrays = decode_inputs(request)
+                model.check_inputs(arrays)
+                outputs = model.output_names([o.name for o in request.outputs])
+                timer.lap("compute_input")
+            yield dpb.RunEvent(received=dpb.RunReceived())
+            timer.lap(None)
+            with _answering("Run", context):
+                queued = time.perf_counter()
+                with self.state.admission.waiting(RUN_QUEUE_SECONDS):
+                    timer.lap("queue")
+                    start = time.perf_counter()
+                    results = model.run(arrays, outputs)
+                    done = time.perf_counter()
+                    timer.lap("compute_infer")
+                response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+                for name in outputs:
+                    add_output(response, name, results[name])
+                timer.lap("compute_output")
         yield dpb.RunEvent(result=dpb.RunResult(response=response, compute_seconds=done - start,
                                                 queue_seconds=start - queued))
 

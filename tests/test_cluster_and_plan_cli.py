@@ -88,14 +88,12 @@ cost = 0.02
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda t: t.replace('capacity = 7.0', 'capacity = -7.0'), "key 'servers[1].capacity': must be positive"),
     (lambda t: t.replace('antennas = 2', 'antennas = 0'), "key 'device.antennas': must be >= 1"),
-    (lambda t: t.replace('bandwidth = 60.0', ''), "key 'device.bandwidth': missing"),
-    (lambda t: t.replace('name = "s2"\n', ''), "key 'servers[1].name': missing"),
+    (lambda t: t.replace('name = "s2"\n', ''), "missing key 'servers[1].name'"),
     (lambda t: t.replace('data_size = 10.0', 'data_size = "big"'), "key 'workload.data_size': must be a number"),
     (lambda t: t.replace('name = "s2"', 'name = "s1"'), "server names must be unique"),
     (lambda t: t.replace('50051"', '99999"'), "key 'servers[0].address'"),
     (lambda t: t.replace('prefetch_ratio = 0.4', 'prefetch_ratio = 1.5'), "key 'workload.prefetch_ratio'"),
     (lambda t: t.replace('work = 10.0', 'work = 10.0\nwrok = 3'), "key 'workload.wrok': unknown key"),
-    (lambda t: t + '\n[[servers]]\nname = "s3"\n', "key 'servers[2].capacity': missing"),
     (lambda t: t.replace('[device]', '[device'), "invalid TOML"),
 ])
 def test_bad_cluster_files_name_file_key_and_problem(tmp_path, edit, message):
@@ -143,4 +141,113 @@ def test_plan_table_lists_every_selected_server():
 def test_a_cluster_without_workload_cannot_be_planned_abstractly(tmp_path):
     text = VALID.split("[workload]")[0] + VALID.split("exchange_time = 0.05")[1]
     result = deepco("plan", "--cluster", str(write(tmp_path, text)))
-    assert result.returncode != 0 and "key 'workload': missing" in result.stderr
+    assert result.returncode != 0 and "missing key 'workload'" in result.stderr
+
+
+def test_an_address_only_file_loads_with_what_the_device_measures_left_open(tmp_path):
+    cluster = load_cluster(write(tmp_path, '[[servers]]\naddress = "127.0.0.1:5001"\n'
+                                           '[[servers]]\naddress = "127.0.0.1:5002"\n'))
+    assert [(s.name, s.address, s.capacity) for s in cluster.servers] == [
+        ("127.0.0.1:5001", "127.0.0.1:5001", None), ("127.0.0.1:5002", "127.0.0.1:5002", None)]
+    assert [(a.name, a.bandwidth) for a in cluster.device.antennas] == [("a0", None)]
+    assert not cluster.device.declared and cluster.workload is None
+    cluster.require_addresses()  # nothing missing for `deepco run`
+
+
+def test_every_missing_key_of_a_file_is_reported_in_one_error(tmp_path):
+    text = """
+[workload]
+prefetch_ratio = 0.4
+[[servers]]
+capacity = 1.0
+[[servers]]
+site = "edge"
+[[sites]]
+kind = "edge"
+"""
+    path = write(tmp_path, text)
+    with pytest.raises(ClusterError) as err:
+        load_cluster(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: missing keys ")
+    for key in ("servers[0].name", "servers[1].name", "workload.data_size", "workload.work", "sites[0].name"):
+        assert f"'{key}'" in message
+    assert "'workload.data_size' (s: the size of one image, in data units)" in message
+    assert "unknown site" not in message  # the missing site name is the problem, not the reference to it
+
+
+def test_the_abstract_planner_names_every_key_it_lacks_with_units(tmp_path):
+    text = VALID.replace("bandwidth = 60.0", "") + '\n[[servers]]\nname = "s3"\n'
+    result = deepco("plan", "--cluster", str(write(tmp_path, text)))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "'device.bandwidth' (per antenna: units of workload.data_size per unit of time" in lines[0]
+    assert "'servers[2].capacity' (raw compute capacity c^(i): units of workload.work per unit of time)" in lines[0]
+    assert "deepco plan --model" in lines[0]
+
+
+def test_pace_needs_the_bandwidth_in_mbits(tmp_path):
+    path = write(tmp_path, '[[servers]]\naddress = "127.0.0.1:5001"\n')
+    result = deepco("run", "--cluster", str(path), "--model", "resnet18", "--source", "nothing", "--pace")
+    assert result.returncode == 2 and "missing key 'device'" in result.stderr and "Mbit/s" in result.stderr
+    result = deepco("run", "--cluster", str(write(tmp_path, '[[servers]]\nname = "a"\n')), "--model", "resnet18",
+                    "--source", "nothing")
+    assert result.returncode == 2 and "missing key 'servers[0].address'" in result.stderr
+
+
+# ---- real servers: `deepco run` and `deepco plan --model` on a file holding nothing but addresses ----------
+PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
+
+
+@pytest.fixture(scope="module")
+def address_only(tmp_path_factory):
+    """(cluster file holding only the addresses of two `deepco serve` processes, resnet18 64x64 ONNX file)."""
+    from test_server_support import serve_process
+
+    folder = tmp_path_factory.mktemp("address-only")
+    model = folder / "resnet18.onnx"
+    result = deepco("export", "--model", "resnet18", "--input-size", "64x64", "--output", str(model))
+    assert result.returncode == 0, result.stderr
+    with serve_process("--threads", "1") as a, serve_process("--threads", "1") as b:
+        path = folder / "cluster.toml"
+        path.write_text(f'[[servers]]\naddress = "{a.address}"\n\n[[servers]]\naddress = "{b.address}"\n')
+        yield path, model, (a.address, b.address)
+
+
+def test_deepco_run_needs_nothing_but_server_addresses(address_only, tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    cluster, model, _ = address_only
+    saved = tmp_path / "out.npz"
+    result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64",
+                    "--source", str(PHOTO), "--frames", "2", "--cut", "layer2", "--save-outputs", str(saved))
+    assert result.returncode == 0, result.stderr
+    assert "measured:" in result.stdout and "0 failed" in result.stdout
+    data = np.load(saved)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    want = np.concatenate([session.run(None, {session.get_inputs()[0].name: x[None]})[0] for x in data["inputs"]])
+    np.testing.assert_allclose(data["outputs"], want, rtol=0, atol=1e-3)
+
+
+def test_plan_with_a_model_is_a_dry_run_on_the_real_servers(address_only):
+    from deepco.wire.client import InferenceClient
+
+    cluster, model, addresses = address_only
+    before = [InferenceClient(a).loaded_models() for a in addresses]
+    result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)  # exactly one JSON object; progress went to stderr
+    assert out["model"] == str(model) and out["input_size"] == [64, 64]
+    assert sorted(out["measured"]["server_flops_per_second"]) == sorted(addresses)
+    assert all(v > 0 for v in out["measured"]["server_flops_per_second"].values())
+    assert len(out["measured"]["antenna_bytes_per_second"]) == 1
+    slices = sorted((s["start"], s["stop"]) for s in out["plan"]["slices"])
+    assert slices[0][0] == 0 and slices[-1][1] == out["cut"]["height"] == out["plan"]["rows"]
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:], strict=False))  # the rows are covered once
+    assert out["plan"]["frame_time"] == pytest.approx(out["plan"]["completion_time"] + out["plan"]["tail_time"])
+    # A dry run leaves nothing loaded on the servers that was not there before.
+    assert [InferenceClient(a).loaded_models() for a in addresses] == before
+    result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--algorithm", "modnn-sa")
+    assert result.returncode == 2 and "with --model choose one of thread, thread-sa, single, equal" in result.stderr

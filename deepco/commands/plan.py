@@ -1,12 +1,22 @@
-"""`deepco plan`: plan one frame over the cluster with the paper's abstract workload model."""
+"""`deepco plan`: plan one frame over the cluster.
+
+Without --model: the paper's abstract workload model ([workload], capacities and bandwidths from the file).
+With --model: a dry run of the device on the real servers of the file (measure, plan, print); that part
+lives with the device (device/plan_command.py), which this library does not import: it is looked up by
+name, as deepco/cli.py dispatches `run` and `serve`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 from deepco.cluster import load_cluster
 from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
+from deepco.wire import security
+
+DRY_RUN = "device.plan_command"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file")
     p.add_argument("--algorithm", default="thread", choices=list(ALGORITHMS), help="planner (default: thread)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
+    dry = p.add_argument_group("dry run on the real servers (with --model: measure, plan, print; nothing is run)")
+    dry.add_argument("--model", default=None,
+                     help="zoo model name or path to an .onnx file; without it the abstract [workload] is planned")
+    dry.add_argument("--input-size", default="224x224", metavar="HxW", help="input height x width (default 224x224)")
+    dry.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto (default)")
+    dry.add_argument("--weights", default=None, help="state-dict file for a zoo model")
+    security.add_arguments(p)
 
 
 def format_plan(plan: Plan) -> str:
@@ -31,7 +48,9 @@ def format_plan(plan: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the cluster, plan, print."""
+    """Load the cluster, plan, print (or, with --model, hand over to the device's dry run)."""
+    if args.model is not None:
+        return importlib.import_module(DRY_RUN).run(args)
     plan = make_plan(Instance.from_cluster(load_cluster(args.cluster)), args.algorithm)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0

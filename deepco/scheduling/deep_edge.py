@@ -189,7 +189,7 @@ def capacity_left(cluster: Cluster, plan: DeepEdgePlan, workers: list[EdgeWorker
     servers: list[Server] = []
     for srv in cluster.servers:
         w = by.get(srv.name)
-        if w is not None and srv.name in plan.batch:
+        if w is not None and srv.name in plan.batch and srv.capacity is not None:
             alone = models.inference_ms(w.quota, w.load, 0)
             beside = models.inference_ms(w.quota, w.load, plan.batch[srv.name])
             srv = dataclasses.replace(srv, capacity=srv.capacity * alone / beside)

@@ -64,6 +64,16 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=inference__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=inference__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=inference__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=inference__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=inference__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
                 request_serializer=inference__pb2.RepositoryIndexRequest.SerializeToString,
@@ -122,6 +132,19 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """Triton's model-configuration and statistics extensions (what perf_analyzer asks before it measures).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryIndex(self, request, context):
         """Triton's model-repository extension: the model's ONNX bytes travel in a "file:<version>/model.onnx"
         parameter of RepositoryModelLoad, as tritonclient's load_model(files=...) sends them.
@@ -174,6 +197,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=inference__pb2.ModelInferRequest.FromString,
                     response_serializer=inference__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=inference__pb2.ModelConfigRequest.FromString,
+                    response_serializer=inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=inference__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=inference__pb2.ModelStatisticsResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
@@ -353,6 +386,60 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             inference__pb2.ModelInferRequest.SerializeToString,
             inference__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            inference__pb2.ModelConfigRequest.SerializeToString,
+            inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            inference__pb2.ModelStatisticsRequest.SerializeToString,
+            inference__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,

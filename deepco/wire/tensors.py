@@ -132,6 +132,12 @@ def raw_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=dtype).tobytes()
 
 
+def bytes_raw(items: Sequence[bytes]) -> bytes:
+    """The protocol's raw encoding of a BYTES tensor: each element as a 4-byte little-endian length, then
+    its bytes, in row-major order."""
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     """The input tensors of an inference request, by name, from raw or typed contents."""
     raw = request.raw_input_contents

@@ -1,0 +1,47 @@
+"""The `deepco` shell itself: --version, and a reader that goes away (`deepco ... | head`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+from test_server_support import ROOT
+
+EXAMPLE = ROOT / "examples" / "paper-example1.toml"
+
+
+def test_version_is_the_packages() -> None:
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    result = subprocess.run([sys.executable, "-m", "deepco", "--version"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout == f"deepco {expected}\n"
+
+
+def _closed_stdout(*args: str) -> tuple[int, str]:
+    """(exit code, stderr) of `deepco ARGS` whose reader went away before it wrote, like `| head` exiting."""
+    proc = subprocess.Popen([sys.executable, "-m", "deepco", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    return proc.wait(timeout=60), stderr
+
+
+def test_a_closed_stdout_ends_quietly_without_a_traceback() -> None:
+    code, stderr = _closed_stdout("plan", "--cluster", str(EXAMPLE), "--algorithm", "modnn-sa")
+    assert (code, stderr) == (141, "")  # 128 + SIGPIPE, as a shell reports a tool the signal ended
+    code, stderr = _closed_stdout("schedule", "--help")  # argparse ignores the failed write itself
+    assert stderr == ""
+
+
+def test_every_bench_flag_says_what_it_does_and_its_default() -> None:
+    import argparse
+
+    from device import bench_command
+
+    parser = argparse.ArgumentParser()
+    bench_command.add_arguments(parser)
+    flags = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert len(flags) >= 15
+    for action in flags:
+        assert action.help and "default" in action.help, action.option_strings
