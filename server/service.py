@@ -22,6 +22,7 @@ from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
 from server.modnn import ModnnService, parse_request
+from server.security import client_identity
 
 log = logging.getLogger("deepco.serve")
 
@@ -101,6 +102,7 @@ class ServerState:
         self.registry, self.admission = registry, admission
         self.draining = threading.Event()
         self.peer_security = ChannelSecurity()  # how to dial peer servers (MoDNN); server.app sets it
+        self.peers: frozenset[str] = frozenset()  # MoDNN peers (host:port) allowed beyond loopback (--peers)
 
     def extensions(self) -> list[str]:
         """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
@@ -135,7 +137,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.ServicerContext) -> pb.ModelReadyResponse:
         # The protocol answers "not ready" for a model it does not have, rather than an error.
         try:
-            self.state.registry.get(request.name, request.version)
+            self.state.registry.get(request.name, request.version, client_identity(context))
         except RequestError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=not self.state.draining.is_set())
@@ -143,7 +145,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_statuses
     def ModelMetadata(self, request: pb.ModelMetadataRequest,
                       context: grpc.ServicerContext) -> pb.ModelMetadataResponse:
-        model = self.state.registry.get(request.name, request.version)
+        model = self.state.registry.get(request.name, request.version, client_identity(context))
         meta = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=model.name, versions=[model.version], platform=PLATFORM,
@@ -152,7 +154,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_statuses
     def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
-        model = self.state.registry.get(request.model_name, request.model_version)
+        model = self.state.registry.get(request.model_name, request.model_version, client_identity(context))
         arrays = decode_inputs(request)
         model.check_inputs(arrays)
         outputs = model.output_names([o.name for o in request.outputs])
@@ -167,8 +169,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                         context: grpc.ServicerContext) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse.ModelIndex
-        return pb.RepositoryIndexResponse(
-            models=[index(name=m.name, version=m.version, state="READY") for m in self.state.registry.all()])
+        # reason: what `deepco models` shows (references, bytes, sha256 prefix, seconds since last use)
+        now = time.monotonic()
+        return pb.RepositoryIndexResponse(models=[
+            index(name=h.model.name, version=h.model.version, state="READY",
+                  reason=f"refs={h.refs} bytes={h.model.size} sha256={h.sha256[:16]} idle={now - h.last_used:.0f}s")
+            for _, h in self.state.registry.holdings(client_identity(context))])
 
     @_statuses
     def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
@@ -176,13 +182,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if self.state.draining.is_set():
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         model_bytes, version = model_from_load_request(request.parameters)
-        self.state.registry.load(request.model_name, version, model_bytes)
+        self.state.registry.load(request.model_name, version, model_bytes, client_identity(context))
         return pb.RepositoryModelLoadResponse()
 
     @_statuses
     def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                               context: grpc.ServicerContext) -> pb.RepositoryModelUnloadResponse:
-        self.state.registry.unload(request.model_name)
+        force = request.parameters.get("force")
+        if force is not None and force.WhichOneof("parameter_choice") != "bool_param":
+            raise invalid("parameter 'force' must be a bool (true: drop every reference, not just one)")
+        self.state.registry.unload(request.model_name, client_identity(context),
+                                   force=force is not None and force.bool_param)
         return pb.RepositoryModelUnloadResponse()
 
 
@@ -191,13 +201,13 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
 
     def __init__(self, state: ServerState):
         self.state = state
-        # MoDNN jobs block worker threads while they wait for peers: give them the pool (--max-inflight
-        # + server.app.CONTROL_THREADS = 4) less two, kept for health checks and control requests.
+        # MoDNN jobs block worker threads while they wait for peers: give them the stream budget
+        # (server.app: --max-inflight + 2 streams, in a pool with threads beyond it for control requests).
         self.modnn = ModnnService(state, threads=state.admission.limit + 2)
 
     @_statuses
     def Profile(self, request: dpb.ProfileRequest, context: grpc.ServicerContext) -> dpb.ProfileResponse:
-        model = self.state.registry.get(request.model_name)
+        model = self.state.registry.get(request.model_name, owner=client_identity(context))
         runs = request.runs or PROFILE_DEFAULT_RUNS
         if runs > PROFILE_MAX_RUNS:
             raise invalid(f"Profile: runs must be <= {PROFILE_MAX_RUNS}, got {runs}")
@@ -210,7 +220,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
 
     def Run(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
         with _answering("Run", context):
-            model = self.state.registry.get(request.model_name, request.model_version)
+            model = self.state.registry.get(request.model_name, request.model_version, client_identity(context))
             arrays = decode_inputs(request)
             model.check_inputs(arrays)
             outputs = model.output_names([o.name for o in request.outputs])
@@ -238,7 +248,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         with _answering("ModnnRun", context):
             if self.state.draining.is_set():
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-            job = parse_request(request, self.state.registry)
+            job = parse_request(request, self.state.registry, client_identity(context), self.state.peers)
             self.modnn.mailboxes.claim(job.id, job.threads)
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())
