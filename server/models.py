@@ -44,6 +44,9 @@ PROFILE_MAX_BYTES = 256 * 1024 * 1024  # Profile inputs are made on the server: 
 DEFAULT_MAX_MODEL_BYTES = 1 << 30
 MAX_NAME_CHARS = 128  # a model name ends up in logs, metrics labels and error messages
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+# A content-addressed name ends in "-sha256-<at least 12 hex digits>": the server loads under it only a file
+# whose SHA-256 starts with those digits, so whoever runs the name gets those bytes, whoever loaded them.
+CONTENT_NAME = re.compile(r".*-sha256-([0-9a-f]{12,64})")
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,10 @@ class Registry:
         all before ONNX Runtime sees it."""
         check_model_name(name)
         sha256 = hashlib.sha256(model_bytes).hexdigest()
+        claimed = CONTENT_NAME.fullmatch(name)
+        if claimed and not sha256.startswith(claimed.group(1)):
+            raise invalid(f"model name {name!r} is content-addressed (sha256 {claimed.group(1)}...) but the file's "
+                          f"sha256 is {sha256[:16]}...")
         key = (owner, name)
         with self._lock:
             self._sweep()
