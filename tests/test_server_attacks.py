@@ -69,7 +69,7 @@ def _external(tensor: TensorProto, location: str = "secret.bin") -> TensorProto:
     return tensor
 
 
-def _reader_models() -> dict[str, bytes]:
+def reader_models() -> dict[str, bytes]:
     """Models that would read secret.bin from the server's working directory, each hiding it elsewhere."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [16])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])
@@ -94,7 +94,7 @@ def test_models_with_external_data_are_refused_before_they_read_a_file(tmp_path:
     (tmp_path / "secret.bin").write_bytes(SECRET)
     with serve_process("--device", "cpu", "--threads", "1", cwd=tmp_path) as server:
         with InferenceClient(server.address, timeout=10) as c:
-            for where, model in _reader_models().items():
+            for where, model in reader_models().items():
                 code, message = _status(c.load_model, model, f"reader-{where}")
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (where, code, message)
                 assert "external data" in message, (where, message)
@@ -240,30 +240,30 @@ def test_idle_streams_are_cancelled_and_watch_needs_the_token() -> None:
         srv.stop(grace=1)
 
 
-def _bombs() -> dict[str, tuple[bytes, dict[str, np.ndarray]]]:
+def bombs() -> dict[str, tuple[bytes, dict[str, np.ndarray]]]:
     """Tiny models whose output size follows an input's values, and the request that would blow them up."""
     shape = helper.make_tensor_value_info("shape", TensorProto.INT64, [None])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     x1 = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     huge = np.array([1 << 20, 1 << 20], np.int64)
-    bombs = {"ConstantOfShape": (_model([helper.make_node("ConstantOfShape", ["shape"], ["y"])], [shape], [y]),
+    found = {"ConstantOfShape": (_model([helper.make_node("ConstantOfShape", ["shape"], ["y"])], [shape], [y]),
                                  {"shape": huge}),
              "Expand": (_model([helper.make_node("Expand", ["x", "shape"], ["y"])], [x1, shape], [y]),
                         {"x": np.ones(1, np.float32), "shape": huge}),
              "Tile": (_model([helper.make_node("Tile", ["x", "shape"], ["y"])], [x1, shape], [y]),
                       {"x": np.ones(1, np.float32), "shape": huge[:1] << 20})}
     scalars = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in ("a", "b", "d")]
-    bombs["Range"] = (_model([helper.make_node("Range", ["a", "b", "d"], ["y"])], scalars, [y]),
+    found["Range"] = (_model([helper.make_node("Range", ["a", "b", "d"], ["y"])], scalars, [y]),
                       {"a": np.float32(0), "b": np.float32(1e12), "d": np.float32(1)})
-    return bombs
+    return found
 
 
 def test_value_dependent_sizes_are_refused_before_running_and_the_server_survives() -> None:
-    bombs = _bombs()
-    assert len(bombs["ConstantOfShape"][0]) < 120  # the 93-byte kind of model
+    cases = bombs()
+    assert len(cases["ConstantOfShape"][0]) < 120  # the 93-byte kind of model
     with serve_process("--device", "cpu", "--threads", "1") as server:
         with InferenceClient(server.address, timeout=10) as c:
-            for op, (model, inputs) in bombs.items():
+            for op, (model, inputs) in cases.items():
                 c.load_model(model, op)
                 code, message = _status(c.infer_many, op, inputs)
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (op, code, message)
@@ -275,7 +275,7 @@ def test_value_dependent_sizes_are_refused_before_running_and_the_server_survive
         assert server.proc.poll() is None
 
 
-def _nested_if(depth: int) -> bytes:
+def nested_if(depth: int) -> bytes:
     """If inside If inside If ... ``depth`` deep, each branch passing x through."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     cond = helper.make_tensor_value_info("cond", TensorProto.BOOL, [])
@@ -294,7 +294,7 @@ def _nested_if(depth: int) -> bytes:
 
 def test_models_with_subgraphs_and_requests_over_the_budget_are_refused(server: Server) -> None:
     with InferenceClient(server.address) as c:
-        code, message = _status(c.load_model, _nested_if(12), "nested")
+        code, message = _status(c.load_model, nested_if(12), "nested")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "subgraphs" in message
         c.load_model(MODEL, "conv")
         try:
