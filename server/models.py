@@ -377,10 +377,13 @@ class Registry:
             # ORT is the judge of what it can run: a truncated file, an unknown operator or an invalid graph
             # all fail here, with ORT's own one-line reason.
             session = self.runtime.session(model_bytes)
+            # Reading the signature decodes names as UTF-8: a mutated file can fail here too (fuzzed).
+            model = LoadedModel(name, version, session, len(model_bytes))
+        except RequestError:
+            raise
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise invalid(f"model {name!r} is not a valid ONNX model (ONNX Runtime: {first[:300]})") from None
-        model = LoadedModel(name, version, session, len(model_bytes))
         model.bound = SizeBound(proto, name, self.max_request_bytes, [s.name for s in model.inputs])
         with self._lock:
             if key in self._models:  # another load of this name won the race

@@ -9,6 +9,8 @@ items (1 MB names, MoDNN peers outside the allow-list, metrics without a token).
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
-from test_server_support import conv_model, reference, serve_process
+from test_server_support import ROOT, conv_model, reference, serve_process
 from tls_support import Certs, make_certs
 
 from deepco.wire import deepco_service_pb2 as dpb
@@ -345,3 +347,15 @@ def test_metrics_token_and_warning() -> None:
             assert b"deepco_models_loaded" in response.read()
     finally:
         srv.stop(grace=1)
+
+
+def test_serve_warns_about_open_metrics_and_checks_peers() -> None:
+    with serve_process("--metrics-port", "0", "--metrics-host", "0.0.0.0") as server:
+        deadline = time.monotonic() + 10
+        while not any("without --metrics-token" in line for line in server.stderr_lines) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("without --metrics-token" in line for line in server.stderr_lines), server.stderr_lines
+    bad = subprocess.run([sys.executable, "-m", "deepco", "serve", "--port", "0", "--peers", "nohost"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "expected host:port" in bad.stderr and len(bad.stderr.splitlines()) == 1

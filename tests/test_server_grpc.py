@@ -158,6 +158,9 @@ def test_bad_loads_are_invalid_argument(client: InferenceClient, stub) -> None:
     assert code == INVALID and "model 'junk' is not a valid ONNX model" in msg
     code, msg = _status(client.load_model, MODEL[: len(MODEL) // 2], "truncated")
     assert code == INVALID and "not a valid ONNX model" in msg
+    # found by the mutated-upload fuzzing: a tensor name that is not UTF-8 was INTERNAL
+    code, msg = _status(client.load_model, MODEL.replace(b"input", b"\xce\xffput"), "not-utf8")
+    assert code == INVALID and "not a valid ONNX model" in msg
 
     no_file = pb.RepositoryModelLoadRequest(model_name="conv2")
     no_file.parameters["config"].string_param = "{}"
