@@ -7,9 +7,10 @@ may take, checked before it runs.
 - No subgraphs (:func:`check_no_subgraphs`): If/Loop/Scan bodies are invisible to ONNX shape inference, so
   neither their memory at load (nested Ifs: a 2 MB upload took 920 MiB) nor per request can be bounded.
 - Bounded requests (:class:`SizeBound`): ONNX shape inference against a request's concrete input shapes
-  must give every tensor of the graph a static shape, and their bytes together must stay under the
-  ``--max-request-bytes`` budget. A tensor whose size depends on input *values* (ConstantOfShape, Expand,
-  Tile, Range, Resize fed by an input) has no static shape, so a 93-byte model cannot ask for 14 GB.
+  must give every tensor of the graph a static shape, and the bytes of the tensors alive at once (running
+  the nodes in order) must stay under the ``--max-request-bytes`` budget. A tensor whose size depends on
+  input *values* (ConstantOfShape, Expand, Tile, Range, Resize fed by an input) has no static shape, so a
+  93-byte model cannot ask for 14 GB.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, sh
 
 from server.errors import RequestError, invalid
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 30  # all tensors of one request together (inputs, intermediates, outputs)
+DEFAULT_MAX_REQUEST_BYTES = 4 << 30  # tensors of one request alive at once (inputs, intermediates, outputs)
 SMALL_INITIALIZER_BYTES = 4096  # kept in the shape-inference skeleton: shapes, pads, axes live in these
 SHAPE_CACHE_SIZE = 64  # input shapes remembered per model (a device sends a handful of slice heights)
 
@@ -118,20 +119,31 @@ def check_no_subgraphs(model: ModelProto, name: str) -> None:
 
 def _skeleton(model: ModelProto) -> ModelProto:
     """The model for shape inference: big initializers become graph inputs of the same type and shape (shape
-    inference needs their shapes, not their values), so inferring is cheap for a model of any size."""
+    inference needs their shapes, not their values), so inferring is cheap for a model of any size. Built
+    field by field: copying the whole model first would copy every weight."""
     skeleton = ModelProto()
-    skeleton.CopyFrom(model)
-    graph = skeleton.graph
-    kept, moved = [], []
-    for init in graph.initializer:
-        if init.ByteSize() <= SMALL_INITIALIZER_BYTES:
-            kept.append(init)
+    for descriptor, value in model.ListFields():
+        if descriptor.name == "graph":
+            continue
+        if descriptor.is_repeated:
+            getattr(skeleton, descriptor.name).extend(value)
+        elif descriptor.message_type is not None:
+            getattr(skeleton, descriptor.name).CopyFrom(value)
         else:
-            moved.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    known = {i.name for i in graph.input}
-    graph.input.extend(v for v in moved if v.name not in known)
+            setattr(skeleton, descriptor.name, value)
+    source, graph = model.graph, skeleton.graph
+    graph.name = source.name
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    graph.sparse_initializer.extend(source.sparse_initializer)
+    known = {i.name for i in source.input}
+    for init in source.initializer:
+        if init.ByteSize() <= SMALL_INITIALIZER_BYTES:
+            graph.initializer.append(init)
+        elif init.name not in known:
+            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     return skeleton
 
 
@@ -180,8 +192,8 @@ class SizeBound:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, found[1])
         if found > self.limit:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"model {self.name!r}: on inputs of shape {_shapes(key)} its tensors take {found} "
-                               f"bytes, over the per-request limit (--max-request-bytes) of {self.limit}")
+                               f"model {self.name!r}: on inputs of shape {_shapes(key)} its tensors take up to {found} "
+                               f"bytes at once, over the per-request limit (--max-request-bytes) of {self.limit}")
         return found
 
     def _infer(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, str] | int:
@@ -202,7 +214,7 @@ class SizeBound:
                        f"(ONNX shape inference: {first})")
         graph = inferred.graph
         values = {v.name: v for v in [*graph.input, *graph.value_info, *graph.output]}
-        total = 0
+        sizes: dict[str, int] = {}
         for name in dict.fromkeys([*self._inputs, *(o for node in graph.node for o in node.output if o)]):
             value = values.get(name)
             size = _value_bytes(value) if value is not None else None
@@ -212,8 +224,29 @@ class SizeBound:
                 return (0, f"model {self.name!r}: the size of {where} depends on input values, not only on the "
                            f"input shapes {shown}, so this server cannot bound the request's memory and does not "
                            "run it")
-            total += size
-        return total
+            sizes[name] = size
+        return _peak_bytes(graph, sizes, self._inputs)
+
+
+def _peak_bytes(graph: GraphProto, sizes: dict[str, int], inputs: list[str]) -> int:
+    """The most bytes of tensors alive at once when the nodes run in graph order (ONNX keeps them
+    topologically sorted): a tensor lives from its producer (or the start, for inputs) to its last consumer
+    (or the end, for graph outputs). This is what a memory planner like ORT's needs, not the sum of all."""
+    last_use = {name: len(graph.node) for name in [*inputs, *(o.name for o in graph.output)]}
+    for step, node in enumerate(graph.node):
+        for name in node.input:
+            if name in sizes:
+                last_use[name] = max(last_use.get(name, step), step)
+    live = sum(sizes.get(name, 0) for name in inputs)
+    peak = live
+    dying: dict[int, list[str]] = {}
+    for name, step in last_use.items():
+        dying.setdefault(step, []).append(name)
+    for step, node in enumerate(graph.node):
+        live += sum(sizes[o] for o in node.output if o in sizes)
+        peak = max(peak, live)
+        live -= sum(sizes[name] for name in dying.get(step, ()) if name in sizes)
+    return peak
 
 
 def _shapes(key: tuple) -> str:
