@@ -16,7 +16,7 @@ from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from server import logs
-from server.budgets import DEFAULT_IDLE_SECONDS, BudgetInterceptor
+from server.budgets import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_STREAMS, BudgetInterceptor
 from server.metrics import CountingExecutor, Metrics, ObservingInterceptor
 from server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
@@ -55,6 +55,7 @@ class ServeConfig:
     peers: tuple[str, ...] = ()  # MoDNN peers (host:port) this server may dial besides loopback ones
     metrics_token: str | None = None  # required as 'Authorization: Bearer' on /metrics
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
+    max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, ModnnRun, ModnnExchange, Health/Watch) open at once
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -91,6 +92,8 @@ class Server:
             raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
         if config.model_lease < 0 or config.max_request_bytes < 1 or config.stream_idle_seconds <= 0:
             raise UserError("--model-lease must be >= 0, --max-request-bytes >= 1 and --stream-idle-timeout > 0")
+        if config.max_streams < 1:
+            raise UserError("--max-streams must be >= 1")
         self.config = config
         self.runtime = runtime or choose_runtime(config.device, config.threads)
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
@@ -102,11 +105,11 @@ class Server:
         # For server.modnn's server-to-server channels (make_channel(address, state.peer_security)); set here
         # until ServerState declares it itself.
         self.state.peer_security = self.peer_security
-        # MoDNN needs a job's run plus its peers' streams: the stream budget is what server.service gives MoDNN.
-        slots = config.max_inflight + 2
-        self.budgets = BudgetInterceptor(stream_slots=slots, work_slots=slots,
+        # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
+        work_slots = config.max_inflight + 2
+        self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=work_slots,
                                          idle_seconds=config.stream_idle_seconds)
-        workers = 2 * slots + CONTROL_THREADS
+        workers = config.max_streams + work_slots + CONTROL_THREADS
         self.max_queue = 3 * workers if config.max_queue is None else config.max_queue
         self.executor = CountingExecutor(max_workers=workers, thread_name_prefix="deepco-rpc")
         self.metrics = Metrics(self.state.registry, self.executor)
@@ -124,7 +127,7 @@ class Server:
                                 # ("Concurrent RPC limit exceeded!"), which is the back-pressure clients see.
                                 maximum_concurrent_rpcs=workers + self.max_queue)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.grpc)
-        dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state), self.grpc)
+        dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state, config.max_streams), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{config.host}:{config.port}"

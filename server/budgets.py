@@ -41,6 +41,9 @@ WORK_METHODS = frozenset({
     "/deepco.DeepcoService/Echo",
 })
 DEFAULT_IDLE_SECONDS = 120.0
+# Streams open at once (--max-streams): a device keeps about --depth Run streams per server open, MoDNN a
+# job's run plus one per feeding peer; a thread each (about 8 MB of address space, little memory).
+DEFAULT_MAX_STREAMS = 16
 SWEEP_SECONDS = 0.5
 
 

@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "RESOURCE_EXHAUSTED (default: 1073741824, 1 GiB)")
     p.add_argument("--max-queue", type=_int_at_least(0), default=None, metavar="N",
                    help="RPCs that may wait for a worker thread; the excess is refused at once with "
-                        "RESOURCE_EXHAUSTED (default: 3 x the worker threads, 2 x (--max-inflight + 2) + 4)")
+                        "RESOURCE_EXHAUSTED (default: 3 x the worker threads, --max-streams + --max-inflight + 6)")
     p.add_argument("--model-lease", type=_seconds, default=600.0, metavar="SECONDS",
                    help="unload an uploaded model nobody used (loaded, ran, asked about) for this long, so a "
                         "device that died does not leak it; 0: never (default: 600)")
@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-idle-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="cancel an open stream (Run, ModnnRun, ModnnExchange, Health/Watch) that sent or "
                         "received nothing for this long (default: 120)")
+    p.add_argument("--max-streams", type=_int_at_least(1), default=16, metavar="N",
+                   help="streams open at once (Run, ModnnRun, ModnnExchange, Health/Watch), each holding a "
+                        "worker thread; the excess is refused with RESOURCE_EXHAUSTED (default: 16)")
     p.add_argument("--peers", type=_addresses, default=(), metavar="HOST:PORT,...",
                    help="MoDNN peers this server may dial (with its own token / certificate) when a device's "
                         "ModnnRun names them; loopback addresses are always allowed, others are refused with "
@@ -115,4 +118,5 @@ def run(args: argparse.Namespace) -> int:
                              metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                              log_format=args.log_format, model_lease=args.model_lease,
                              max_request_bytes=args.max_request_bytes, peers=args.peers,
-                             metrics_token=args.metrics_token, stream_idle_seconds=args.stream_idle_timeout))
+                             metrics_token=args.metrics_token, stream_idle_seconds=args.stream_idle_timeout,
+                             max_streams=args.max_streams))

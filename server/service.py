@@ -199,11 +199,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
     """deepco.DeepcoService: what the engine needs beyond the standard protocol."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, max_streams: int | None = None):
         self.state = state
-        # MoDNN jobs block worker threads while they wait for peers: give them the stream budget
-        # (server.app: --max-inflight + 2 streams, in a pool with threads beyond it for control requests).
-        self.modnn = ModnnService(state, threads=state.admission.limit + 2)
+        # MoDNN jobs hold a stream (a worker thread) for their run and each feeding peer while they wait:
+        # --max-inflight + 2 of them, within the stream budget (server.budgets) so that jobs cannot starve
+        # each other's exchange streams.
+        threads = state.admission.limit + 2
+        self.modnn = ModnnService(state, threads=threads if max_streams is None else min(threads, max_streams))
 
     @_statuses
     def Profile(self, request: dpb.ProfileRequest, context: grpc.ServicerContext) -> dpb.ProfileResponse:

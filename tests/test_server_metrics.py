@@ -107,9 +107,10 @@ def test_json_logs_and_metrics_endpoint_of_the_cli() -> None:
 
 
 def test_stream_budget_refuses_the_excess_at_once_and_control_calls_still_answer() -> None:
-    # --max-inflight 1: 3 stream slots (server.budgets), in a pool with threads beyond them for control calls.
-    # (Before the budgets, five held streams took every worker thread and calls queued: server.budgets.)
-    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_inflight=1, max_queue=2, metrics_port=0))
+    # 3 stream slots (server.budgets), in a pool with threads beyond them for control calls. (Before the
+    # budgets, five held streams took every worker thread and further calls queued.)
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_inflight=1, max_queue=2, metrics_port=0,
+                             max_streams=3))
     release = threading.Event()
 
     def held_stream() -> Iterator[bytes]:
