@@ -25,6 +25,8 @@ COMMANDS = {
                   "slice a CNN exactly at a cut: rows, halo, bytes, FLOPs; save head/tail"),
     "schedule": ("deepco.commands.schedule",
                  "simulate training-job schedulers (online-batch, preemptive, baselines) on a trace"),
+    "models": ("deepco.commands.models",
+               "list the models loaded on a cluster's servers, or unload them (--unload NAME, --all)"),
     "serve": ("server.cli",
               "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
     "run": ("device.run_command",

@@ -142,8 +142,11 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         print(tb.label, flush=True)
         ports = [PORT if tb.kernel else PORT + k for k in range(servers)]
         host = "0.0.0.0" if tb.kernel else "127.0.0.1"
+        # --peers: server-to-server exchanges cross the namespaces' (non-loopback) addresses.
+        peers = ",".join(f"{tb.server_host(k, 0)}:{ports[k]}" for k in range(servers))
         serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64",
-                 "--max-inflight", "8"]  # room for two pipelined frames' jobs (each holds a thread per feeder)
+                 "--max-inflight", "8",  # room for two pipelined frames' jobs (each holds a thread per feeder)
+                 "--peers", peers]
         logs = [(workdir / f"server-{k}.log").open("w") for k in range(servers)]
         procs = [tb.spawn([*serve, "--port", str(ports[k])], server=k, stdout=subprocess.PIPE,
                           stderr=logs[k], text=True) for k in range(servers)]

@@ -37,7 +37,7 @@ from deepco.planning.modnn import ownership as ownership_tables
 from deepco.planning.modnn import receives, sends
 from deepco.planning.rows import Node, abstract_instance, association
 from deepco.wire import deepco_service_pb2 as dpb
-from deepco.wire.client import ServerError
+from deepco.wire.client import ServerError, content_name
 from deepco.wire.rows import decode_rows, encode_rows
 from device.session import Device
 
@@ -100,21 +100,22 @@ class ModnnRunner:
 
     # ---- setup ----------------------------------------------------------------------------------------
     def _upload(self) -> None:
-        """Every segment model to every server (RepositoryModelLoad), once."""
+        """Every segment model to every server (RepositoryModelLoad) under content-addressed names."""
         data = [seg.model.SerializeToString() for seg in self.segments]
+        bases, names = self.model_names, []
         for k in range(len(self.device.cluster.servers)):
             client = self.device.client(k, 0)
             loaded = set(client.loaded_models())
             # one model per segment: a server needs that many free model slots (`deepco serve --max-models`)
-            missing = [n for n in self.model_names if n not in loaded]
+            missing = [b for b, d in zip(bases, data, strict=True) if content_name(b, d) not in loaded]
             limit = client.server_metadata().get("deepco_max_models")
             if limit is not None and len(loaded) + len(missing) > int(limit):
                 raise UserError(f"MoDNN at cut {self.cut.name!r} needs {len(self.segments)} segment models on "
                                 f"each server, but server {client.address} has {len(loaded)} of its {limit} model "
                                 "slots taken; start it with a larger --max-models")
-            for name, model in zip(self.model_names, data, strict=True):
-                if name not in loaded:
-                    client.load_model(model, name)
+            names = [self.device.uploads.upload(client, model, base)
+                     for base, model in zip(bases, data, strict=True)]
+        self.model_names = names
 
     def _predict(self) -> dict[str, Any]:
         """The cost model: transfers per antenna in order (everyone waits for the last band), then per level
@@ -281,11 +282,7 @@ class ModnnRunner:
 
     def unload(self) -> None:
         """Unload the segment models from every server."""
-        for k in range(len(self.device.cluster.servers)):
-            client = self.device.client(k, 0)
-            for name in self.model_names:
-                if name in client.loaded_models():
-                    client.unload_model(name)
+        self.device.uploads.release(set(self.model_names))
 
 
 def _root_cause(errors: list[BaseException]) -> BaseException:

@@ -38,6 +38,7 @@ from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
 from device.preprocess import preprocessing_for
+from device.lifecycle import Uploads
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
@@ -93,6 +94,7 @@ class Device:
         self.log = log
         self.security = security
         self.clients: dict[tuple[str, int], InferenceClient] = {}
+        self.uploads = Uploads()  # unloaded on close()
         self.down: set[str] = set()  # servers marked failed, probed until they answer again
         self.events: list[dict] = []  # down / up, with times (perf_counter)
         self._health = threading.RLock()
@@ -113,7 +115,9 @@ class Device:
         return self.clients[key]
 
     def close(self) -> None:
-        """Close every channel."""
+        """Unload what this device uploaded, then close every channel."""
+        for problem in self.uploads.release():
+            self.log(f"warning: {problem}")
         for c in self.clients.values():
             c.close()
         self.clients.clear()
@@ -231,13 +235,12 @@ class Device:
         """The chosen cut's head to every server (any plan may use any of them), its tail here."""
         assert self.cut is not None
         head, tail = self.partitioner.split(self.cut)
-        self.head_name = f"{self.tag}-{self.cut.name}-head"
         self.head_input = head.graph.input[0].name
         data = self._head_bytes = head.SerializeToString()
+        # Content-addressed: a server runs this name only with these bytes (see device.lifecycle).
+        self._head_base = f"{self.tag}-{self.cut.name}-head"
         for k in range(len(self.cluster.servers)):
-            client = self.client(k, 0)
-            if self.head_name not in client.loaded_models():
-                client.load_model(data, self.head_name)
+            self.head_name = self.uploads.upload(self.client(k, 0), data, self._head_base)
         self.tail = _session(tail.SerializeToString())
         self.tail_input = self.tail.get_inputs()[0].name
         self._costs: dict[tuple[int, int], object] = {}
@@ -303,8 +306,7 @@ class Device:
                 try:
                     if not client.server_ready(timeout=1.0):
                         continue
-                    if self.head_name not in client.loaded_models():
-                        client.load_model(self._head_bytes, self.head_name)
+                    self.uploads.upload(client, self._head_bytes, self._head_base)  # a restarted server lost it
                 except ServerError:
                     continue
                 with self._health:

@@ -16,16 +16,20 @@ from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from server import logs
+from server.budgets import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_STREAMS, BudgetInterceptor
 from server.metrics import CountingExecutor, Metrics, ObservingInterceptor
+from server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
-from server.security import ServerSecurity, TokenAuthInterceptor, plaintext_warning
+from server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
 from server.service import Admission, DeepcoServicer, InferenceServicer, ServerState
 
 log = logging.getLogger("deepco.serve")
 
-# Worker threads beyond the compute slots, so that health, metadata and load requests are answered even
-# while every compute slot is busy.
+# Worker threads beyond the stream and work budgets (server.budgets), so that health, readiness and metadata
+# are answered even while every budget is used up.
 CONTROL_THREADS = 4
+# Uploaded models nobody used for this long are unloaded (--model-lease): a device that died does not leak.
+DEFAULT_MODEL_LEASE = 600.0
 SERVICES = ("", "inference.GRPCInferenceService", "deepco.DeepcoService")
 
 
@@ -46,6 +50,12 @@ class ServeConfig:
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free one); None: off
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"  # "text" or "json" (one object per line, with one line per RPC)
+    model_lease: float = DEFAULT_MODEL_LEASE  # seconds an unused uploaded model stays loaded; 0: forever
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # tensors of one request together (shape inference)
+    peers: tuple[str, ...] = ()  # MoDNN peers (host:port) this server may dial besides loopback ones
+    metrics_token: str | None = None  # required as 'Authorization: Bearer' on /metrics
+    stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
+    max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, ModnnRun, ModnnExchange, Health/Watch) open at once
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -80,22 +90,33 @@ class Server:
             raise UserError("--max-models and --max-inflight must be >= 1")
         if config.max_model_bytes < 1 or (config.max_queue is not None and config.max_queue < 0):
             raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
+        if config.model_lease < 0 or config.max_request_bytes < 1 or config.stream_idle_seconds <= 0:
+            raise UserError("--model-lease must be >= 0, --max-request-bytes >= 1 and --stream-idle-timeout > 0")
+        if config.max_streams < 1:
+            raise UserError("--max-streams must be >= 1")
         self.config = config
         self.runtime = runtime or choose_runtime(config.device, config.threads)
-        self.state = ServerState(Registry(self.runtime, config.max_models, config.max_model_bytes),
-                                 Admission(config.max_inflight))
+        registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
+                            lease=config.model_lease or None, max_request_bytes=config.max_request_bytes)
+        self.state = ServerState(registry, Admission(config.max_inflight))
+        self.state.peers = frozenset(config.peers)
         security = config.security
         self.peer_security = security.peer_security()
         # For server.modnn's server-to-server channels (make_channel(address, state.peer_security)); set here
         # until ServerState declares it itself.
         self.state.peer_security = self.peer_security
-        workers = config.max_inflight + CONTROL_THREADS
+        # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
+        work_slots = config.max_inflight + 2
+        self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=work_slots,
+                                         idle_seconds=config.stream_idle_seconds)
+        workers = config.max_streams + work_slots + CONTROL_THREADS
         self.max_queue = 3 * workers if config.max_queue is None else config.max_queue
         self.executor = CountingExecutor(max_workers=workers, thread_name_prefix="deepco-rpc")
         self.metrics = Metrics(self.state.registry, self.executor)
         interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics)]
         if security.token is not None:
             interceptors.append(TokenAuthInterceptor(security.token))
+        interceptors.append(self.budgets)  # after the token check: no slot for a caller without the token
         options = [*GRPC_MESSAGE_OPTIONS,
                    # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
                    # silently share it; we want "port in use" to be an error.
@@ -106,7 +127,7 @@ class Server:
                                 # ("Concurrent RPC limit exceeded!"), which is the back-pressure clients see.
                                 maximum_concurrent_rpcs=workers + self.max_queue)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.grpc)
-        dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state), self.grpc)
+        dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state, config.max_streams), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{config.host}:{config.port}"
@@ -123,7 +144,8 @@ class Server:
         self.metrics_port: int | None = None
         if config.metrics_port is not None:
             check_bindable(config.metrics_host, config.metrics_port)
-            self.metrics_port = self.metrics.serve_http(config.metrics_host, config.metrics_port)
+            self.metrics_port = self.metrics.serve_http(config.metrics_host, config.metrics_port,
+                                                        config.metrics_token)
         self.grpc.start()
         for service in SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -138,6 +160,7 @@ class Server:
         self.state.draining.set()
         self.health.enter_graceful_shutdown()  # health checks now say NOT_SERVING
         self.grpc.stop(self.config.grace if grace is None else grace).wait()
+        self.budgets.close()
         self.metrics.close()
 
 
@@ -146,6 +169,9 @@ def serve(config: ServeConfig) -> int:
     logs.configure(config.log_format)
     warning = plaintext_warning(config.host, config.security)
     if warning:  # through the log, so that with --log-format json every stderr line is still JSON
+        log.warning("%s", warning)
+    warning = metrics_warning(config.metrics_port, config.metrics_host, config.metrics_token)
+    if warning:
         log.warning("%s", warning)
     stop = threading.Event()
 
@@ -160,9 +186,12 @@ def serve(config: ServeConfig) -> int:
     log.info("execution provider %s (device %s, --device %s), intra-op threads %s, max models %d, "
              "max in-flight %d", server.runtime.provider, server.runtime.device, config.device,
              config.threads or "ORT default", config.max_models, config.max_inflight)
-    log.info("TLS %s, token %s, max model bytes %d, max queue %d, metrics %s",
+    log.info("TLS %s, token %s, max model bytes %d, max request bytes %d, model lease %s, max queue %d, "
+             "MoDNN peers %s, metrics %s",
              ("mutual" if config.security.ca else "on") if config.security.tls else "off",
-             "required" if config.security.token else "off", config.max_model_bytes, server.max_queue,
+             "required" if config.security.token else "off", config.max_model_bytes, config.max_request_bytes,
+             f"{config.model_lease:g}s" if config.model_lease else "off", server.max_queue,
+             ", ".join(config.peers) + " and loopback" if config.peers else "loopback only",
              f"http://{config.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port is not None
              else "off")
     # The one line on stdout: scripts and tests read the port from it (useful with --port 0).

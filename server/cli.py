@@ -32,6 +32,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _addresses(text: str) -> tuple[str, ...]:
+    items = tuple(a.strip() for a in text.split(",") if a.strip())
+    for item in items:
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"expected host:port, got {item!r}")
+    return items
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco serve`."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -53,7 +62,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "RESOURCE_EXHAUSTED (default: 1073741824, 1 GiB)")
     p.add_argument("--max-queue", type=_int_at_least(0), default=None, metavar="N",
                    help="RPCs that may wait for a worker thread; the excess is refused at once with "
-                        "RESOURCE_EXHAUSTED (default: 3 x (--max-inflight + 4))")
+                        "RESOURCE_EXHAUSTED (default: 3 x the worker threads, --max-streams + --max-inflight + 6)")
+    p.add_argument("--model-lease", type=_seconds, default=600.0, metavar="SECONDS",
+                   help="unload an uploaded model nobody used (loaded, ran, asked about) for this long, so a "
+                        "device that died does not leak it; 0: never (default: 600)")
+    p.add_argument("--max-request-bytes", type=_int_at_least(1), default=4 << 30, metavar="BYTES",
+                   help="all tensors of one request together, bounded by ONNX shape inference on the request's "
+                        "input shapes before it runs; over it, or not boundable (sizes that depend on input "
+                        "values), is refused with RESOURCE_EXHAUSTED (default: 4294967296, 4 GiB)")
+    p.add_argument("--stream-idle-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                   help="cancel an open stream (Run, ModnnRun, ModnnExchange, Health/Watch) that sent or "
+                        "received nothing for this long (default: 120)")
+    p.add_argument("--max-streams", type=_int_at_least(1), default=16, metavar="N",
+                   help="streams open at once (Run, ModnnRun, ModnnExchange, Health/Watch), each holding a "
+                        "worker thread; the excess is refused with RESOURCE_EXHAUSTED (default: 16)")
+    p.add_argument("--peers", type=_addresses, default=(), metavar="HOST:PORT,...",
+                   help="MoDNN peers this server may dial (with its own token / certificate) when a device's "
+                        "ModnnRun names them; loopback addresses are always allowed, others are refused with "
+                        "PERMISSION_DENIED unless listed (default: none)")
     sec = p.add_argument_group("security (plain text off loopback is allowed, with a warning on stderr)")
     sec.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate (chain): serve TLS only")
     sec.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -69,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="serve Prometheus metrics at http://HOST:P/metrics (default: off)")
     obs.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                      help="address of the metrics endpoint (default: 127.0.0.1)")
+    obs.add_argument("--metrics-token", metavar="TOKEN",
+                     help="require 'Authorization: Bearer TOKEN' on /metrics (warned about when --metrics-host "
+                          "is not loopback and this is not set)")
     obs.add_argument("--log-format", choices=("text", "json"), default="text",
                      help="stderr log lines: text, or one JSON object per line with one line per RPC "
                           "(fields ts, level, event, service, method, code, ms, model, peer) (default: text)")
@@ -87,4 +116,7 @@ def run(args: argparse.Namespace) -> int:
                              max_models=args.max_models, max_inflight=args.max_inflight, grace=args.grace,
                              max_model_bytes=args.max_model_bytes, max_queue=args.max_queue, security=security,
                              metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                             log_format=args.log_format))
+                             log_format=args.log_format, model_lease=args.model_lease,
+                             max_request_bytes=args.max_request_bytes, peers=args.peers,
+                             metrics_token=args.metrics_token, stream_idle_seconds=args.stream_idle_timeout,
+                             max_streams=args.max_streams))

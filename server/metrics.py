@@ -23,15 +23,25 @@ are not counted: gRPC Python gives no hook there.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -85,12 +95,14 @@ class _ModelsCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """The model gauges, now."""
-        models = self._registry.all()
+        held = self._registry.holdings()
+        models = [h.model for _, h in held]
         yield GaugeMetricFamily("deepco_models_loaded", "Models loaded now", value=len(models))
         per_model = GaugeMetricFamily("deepco_model_bytes", "Uploaded ONNX bytes of each loaded model",
                                       labels=["model"])
-        for model in models:
-            per_model.add_metric([model.name], model.size)
+        for owner, holding in held:  # a model of an mTLS client is labelled "<identity>/<name>"
+            per_model.add_metric([f"{owner}/{holding.model.name}" if owner else holding.model.name],
+                                 holding.model.size)
         yield per_model
         yield GaugeMetricFamily("deepco_model_bytes_total", "Uploaded ONNX bytes of all loaded models",
                                 value=sum(m.size for m in models))
@@ -125,10 +137,41 @@ class Metrics:
             self.errors.labels(service, method, code.name).inc()
         self.latency.labels(service, method).observe(seconds)
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` in a daemon thread; the port bound."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._http.server_port)
+    def serve_http(self, host: str, port: int, token: str | None = None) -> int:
+        """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` in a daemon thread; the port bound.
+
+        With ``token``, a scrape must send ``Authorization: Bearer <token>`` (Prometheus: ``authorization:
+        {credentials: ...}`` or ``bearer_token_file``); others get 401.
+        """
+        if token is None:
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+            return int(self._http.server_port)
+        registry, expected = self.registry, f"Bearer {token}".encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                given = (self.headers.get("Authorization") or "").strip().encode()
+                if not hmac.compare_digest(given, expected):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", "Bearer")
+                    self.end_headers()
+                    self.wfile.write(b"metrics need 'Authorization: Bearer <token>' (--metrics-token)\n")
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="deepco-metrics", daemon=True).start()
+        self._http = server
+        return int(server.server_port)
 
     def close(self) -> None:
         """Stop the HTTP endpoint, if it runs."""

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -23,6 +23,14 @@ from onnx import TensorProto, helper
 
 from deepco.errors import UserError
 from deepco.wire.tensors import DATATYPES, ORT_TYPES, numpy_dtype
+from server.errors import RequestError, invalid
+from server.model_checks import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    SizeBound,
+    check_no_external_data,
+    check_no_subgraphs,
+    parse_model,
+)
 
 log = logging.getLogger("deepco.serve")
 
@@ -36,19 +44,9 @@ PROFILE_MAX_BYTES = 256 * 1024 * 1024  # Profile inputs are made on the server: 
 DEFAULT_MAX_MODEL_BYTES = 1 << 30
 MAX_NAME_CHARS = 128  # a model name ends up in logs, metrics labels and error messages
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-
-
-class RequestError(Exception):
-    """A request the server refuses, with the gRPC status to answer and a message naming the problem."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def invalid(message: str) -> RequestError:
-    """An INVALID_ARGUMENT refusal."""
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+# A content-addressed name ends in "-sha256-<at least 12 hex digits>": the server loads under it only a file
+# whose SHA-256 starts with those digits, so whoever runs the name gets those bytes, whoever loaded them.
+CONTENT_NAME = re.compile(r".*-sha256-([0-9a-f]{12,64})")
 
 
 @dataclass(frozen=True)
@@ -138,11 +136,15 @@ def _spec(arg: ort.NodeArg, model: str) -> TensorSpec:
 class LoadedModel:
     """A model ready to run: its ORT session and signature."""
 
-    def __init__(self, name: str, version: str, session: ort.InferenceSession, size: int):
+    def __init__(self, name: str, version: str, session: ort.InferenceSession, size: int,
+                 bound: SizeBound | None = None):
         self.name, self.version, self.session, self.size = name, version, session, size
         self.inputs = [_spec(a, name) for a in session.get_inputs()]
         self.outputs = [_spec(a, name) for a in session.get_outputs()]
         self.providers = tuple(session.get_providers())
+        self.bound = bound  # what a request may allocate (None: unchecked, for models made by the server)
+        self.running = 0  # requests running on it now (a lease never expires under them)
+        self._lock = threading.Lock()
 
     def check_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Refuse inputs whose names, data types, ranks or fixed dimensions do not fit the model."""
@@ -173,12 +175,20 @@ class LoadedModel:
         return requested or known
 
     def run(self, arrays: Mapping[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        """Run the model; an input ORT rejects (e.g. smaller than a kernel) is INVALID_ARGUMENT."""
+        """Run the model; an input ORT rejects (e.g. smaller than a kernel) is INVALID_ARGUMENT, one whose
+        memory cannot be bounded or is over --max-request-bytes RESOURCE_EXHAUSTED (before it runs)."""
+        if self.bound is not None:
+            self.bound.check({name: array.shape for name, array in arrays.items()})
+        with self._lock:
+            self.running += 1
         try:
             results = self.session.run(outputs, dict(arrays))
         except Exception as exc:  # ORT raises its own exception types; every one is about this input
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise invalid(f"model {self.name!r} cannot run on this input: {first}") from None
+            raise invalid(f"model {self.name!r} cannot run on this input: {first[:300]}") from None
+        finally:
+            with self._lock:
+                self.running -= 1
         return dict(zip(outputs, results, strict=True))
 
     def profile(self, shape: list[int], runs: int, warmup: int) -> list[float]:
@@ -272,78 +282,161 @@ def check_model_name(name: str) -> None:
     if not name:
         raise invalid("model_name is empty")
     if len(name) > MAX_NAME_CHARS:
-        raise invalid(f"model_name is {len(name)} characters, over the {MAX_NAME_CHARS} limit")
+        raise invalid(f"model_name is {len(name)} characters, over the {MAX_NAME_CHARS} limit "
+                      f"(it starts {name[:40]!r})")
     if not name.isprintable():
         raise invalid(f"model_name {name[:40]!r} holds control characters")
 
 
+@dataclass
+class Holding:
+    """A loaded model's place in the registry: who loaded it, how often, and when it was last used."""
+
+    model: LoadedModel
+    sha256: str
+    refs: int = 1  # loads not yet unloaded: the model goes when the last one is unloaded
+    last_used: float = field(default_factory=time.monotonic)
+
+
 class Registry:
     """The loaded models, at most ``max_models`` of them holding at most ``max_model_bytes`` uploaded bytes
-    in all; safe to use from many gRPC threads."""
+    in all; safe to use from many gRPC threads.
 
-    def __init__(self, runtime: Runtime, max_models: int, max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES):
+    Models are kept per *owner* (the client's identity: its certificate's name under mutual TLS, else ""
+    for everyone): an owner sees, runs and unloads only its own. A loaded name is immutable: loading other
+    bytes under it is refused (ALREADY_EXISTS), loading the same bytes adds a reference, and an unload drops
+    one (``force`` drops them all). With a ``lease`` (seconds), a model nobody used that long is unloaded.
+    """
+
+    def __init__(self, runtime: Runtime, max_models: int, max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES,
+                 lease: float | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.runtime, self.max_models, self.max_model_bytes = runtime, max_models, max_model_bytes
-        self._models: dict[str, LoadedModel] = {}
+        self.lease, self.max_request_bytes = lease, max_request_bytes
+        self._models: dict[tuple[str, str], Holding] = {}
         self._lock = threading.Lock()
 
+    def _sweep(self) -> None:
+        """Unload the models whose lease ran out (called with the lock held)."""
+        if not self.lease:
+            return
+        now = time.monotonic()
+        for key in [k for k, h in self._models.items() if now - h.last_used > self.lease and not h.model.running]:
+            self._models.pop(key)
+            log.info("unloaded model %r (owner %r): unused for over the %gs lease", key[1], key[0], self.lease)
+
     def _check_room(self, name: str, size: int) -> None:
-        if name not in self._models and len(self._models) >= self.max_models:
+        if len(self._models) >= self.max_models:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"cannot load model {name!r}: {len(self._models)} models are loaded, the limit "
                                f"(--max-models) is {self.max_models}; unload one first")
-        # A replaced model's bytes are freed by the replacement, so they do not count against it.
-        held = sum(m.size for n, m in self._models.items() if n != name)
+        held = sum(h.model.size for h in self._models.values())
         if held + size > self.max_model_bytes:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"cannot load model {name!r} ({size} bytes): loaded models hold {held} bytes and "
                                f"the limit (--max-model-bytes) is {self.max_model_bytes}; unload one first")
 
+    def _same_or_refuse(self, holding: Holding, version: str, sha256: str) -> LoadedModel:
+        """A load of a name already loaded: one more reference if it is the same file, else ALREADY_EXISTS."""
+        model = holding.model
+        if holding.sha256 != sha256 or model.version != version:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"model {model.name!r} is already loaded (version {model.version}, sha256 "
+                               f"{holding.sha256[:16]}...) and a loaded name cannot be replaced: this upload "
+                               f"(version {version}, sha256 {sha256[:16]}...) differs; load it under another "
+                               "name, or unload the old one first")
+        holding.refs += 1
+        holding.last_used = time.monotonic()
+        return model
+
     def held_bytes(self) -> int:
         """Uploaded bytes of the models loaded now (what --max-model-bytes bounds)."""
         with self._lock:
-            return sum(m.size for m in self._models.values())
+            self._sweep()
+            return sum(h.model.size for h in self._models.values())
 
-    def load(self, name: str, version: str, model_bytes: bytes) -> LoadedModel:
-        """Build a session and (re)place model ``name``; a bad ONNX file is INVALID_ARGUMENT."""
+    def load(self, name: str, version: str, model_bytes: bytes, owner: str = "") -> LoadedModel:
+        """Load model ``name`` for ``owner`` (see the class doc); a bad ONNX file is INVALID_ARGUMENT, one
+        that references files is INVALID_ARGUMENT and one whose memory cannot be bounded RESOURCE_EXHAUSTED,
+        all before ONNX Runtime sees it."""
         check_model_name(name)
+        sha256 = hashlib.sha256(model_bytes).hexdigest()
+        claimed = CONTENT_NAME.fullmatch(name)
+        if claimed and not sha256.startswith(claimed.group(1)):
+            raise invalid(f"model name {name!r} is content-addressed (sha256 {claimed.group(1)}...) but the file's "
+                          f"sha256 is {sha256[:16]}...")
+        key = (owner, name)
         with self._lock:
+            self._sweep()
+            if key in self._models:
+                return self._same_or_refuse(self._models[key], version, sha256)
             self._check_room(name, len(model_bytes))  # fail early, before the (possibly slow) session build
+        proto = parse_model(model_bytes, name)
+        check_no_external_data(proto, name)
+        check_no_subgraphs(proto, name)
         try:
-            # ORT is the judge of what it can run: garbage bytes, a truncated file, an unknown operator or
-            # an invalid graph all fail here, with ORT's own one-line reason.
+            # ORT is the judge of what it can run: a truncated file, an unknown operator or an invalid graph
+            # all fail here, with ORT's own one-line reason.
             session = self.runtime.session(model_bytes)
+            # Reading the signature decodes names as UTF-8: a mutated file can fail here too (fuzzed).
+            model = LoadedModel(name, version, session, len(model_bytes))
+        except RequestError:
+            raise
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise invalid(f"model {name!r} is not a valid ONNX model (ONNX Runtime: {first})") from None
-        model = LoadedModel(name, version, session, len(model_bytes))
+            raise invalid(f"model {name!r} is not a valid ONNX model (ONNX Runtime: {first[:300]})") from None
+        model.bound = SizeBound(proto, name, self.max_request_bytes, [s.name for s in model.inputs])
         with self._lock:
+            if key in self._models:  # another load of this name won the race
+                return self._same_or_refuse(self._models[key], version, sha256)
             self._check_room(name, len(model_bytes))  # again: another load may have filled it meanwhile
-            self._models[name] = model
-        log.info("loaded model %r version %s (%d bytes) on %s", name, version, len(model_bytes),
-                 model.providers[0])
+            self._models[key] = Holding(model, sha256)
+        log.info("loaded model %r version %s (%d bytes, sha256 %s, owner %r) on %s", name, version,
+                 len(model_bytes), sha256[:16], owner, model.providers[0])
         return model
 
-    def unload(self, name: str) -> None:
-        """Forget model ``name``; requests already running on it finish normally."""
+    def unload(self, name: str, owner: str = "", force: bool = False) -> int:
+        """Drop one reference to ``owner``'s model ``name`` (``force``: all of them); returns the references
+        left (0: unloaded). Requests already running on it finish normally."""
+        check_model_name(name)
         with self._lock:
-            if self._models.pop(name, None) is None:
+            self._sweep()
+            holding = self._models.get((owner, name))
+            if holding is None:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded")
-        log.info("unloaded model %r", name)
+            holding.refs = 0 if force else holding.refs - 1
+            if holding.refs > 0:
+                log.info("model %r (owner %r): one reference dropped, %d left", name, owner, holding.refs)
+                return holding.refs
+            del self._models[(owner, name)]
+        log.info("unloaded model %r (owner %r)", name, owner)
+        return 0
 
-    def get(self, name: str, version: str = "") -> LoadedModel:
-        """Model ``name`` (of ``version``, if given) or NOT_FOUND."""
+    def get(self, name: str, version: str = "", owner: str = "") -> LoadedModel:
+        """``owner``'s model ``name`` (of ``version``, if given) or NOT_FOUND; renews its lease."""
+        check_model_name(name)
         with self._lock:
-            model = self._models.get(name)
-            loaded = sorted(self._models)
-        if model is None:
-            listing = ", ".join(repr(n) for n in loaded) or "none"
+            self._sweep()
+            holding = self._models.get((owner, name))
+            if holding is not None:
+                holding.last_used = time.monotonic()
+            loaded = sorted(n for o, n in self._models if o == owner)
+        if holding is None:
+            listing = ", ".join(repr(n) for n in loaded[:20]) or "none"
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded (loaded: {listing})")
+        model = holding.model
         if version and version != model.version:
             raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"model {name!r} has no version {version!r} (loaded: {model.version})")
+                               f"model {name!r} has no version {version[:40]!r} (loaded: {model.version})")
         return model
 
-    def all(self) -> list[LoadedModel]:
-        """Every loaded model, by name."""
+    def all(self, owner: str | None = None) -> list[LoadedModel]:
+        """Every loaded model of ``owner`` (None: of every owner), by name."""
         with self._lock:
-            return [self._models[n] for n in sorted(self._models)]
+            self._sweep()
+            return [self._models[k].model for k in sorted(self._models) if owner is None or k[0] == owner]
+
+    def holdings(self, owner: str | None = None) -> list[tuple[str, Holding]]:
+        """(owner, holding) of every loaded model of ``owner`` (None: every owner), by owner and name."""
+        with self._lock:
+            self._sweep()
+            return [(k[0], self._models[k]) for k in sorted(self._models) if owner is None or k[0] == owner]

@@ -39,6 +39,7 @@ from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.security import make_channel
 from deepco.wire.tensors import TensorError
 from server.models import Registry, RequestError, invalid
+from server.security import is_loopback
 
 MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
 MAX_MAILBOXES = 16  # running jobs' plus those peers opened first (expiring after ORPHAN_SECONDS)
@@ -246,8 +247,19 @@ def _interval(r: dpb.RowRange) -> tuple[int, int]:
     return int(r.start), int(r.stop)
 
 
-def parse_request(request: dpb.ModnnRequest, registry: Registry) -> Job:
-    """Check a ModnnRequest: INVALID_ARGUMENT naming the problem, NOT_FOUND for a model not loaded."""
+def peer_allowed(address: str, allowed: frozenset[str]) -> bool:
+    """Whether this server may dial ``address`` (host:port) for MoDNN: it is in ``allowed`` (`deepco serve
+    --peers`), or its host is a loopback address (servers sharing this machine)."""
+    if address in allowed:
+        return True
+    host, sep, port = address.rpartition(":")
+    return bool(sep) and port.isdigit() and is_loopback(host)
+
+
+def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = "",
+                  allowed_peers: frozenset[str] = frozenset()) -> Job:
+    """Check a ModnnRequest: INVALID_ARGUMENT naming the problem, NOT_FOUND for a model not loaded (for
+    ``owner``), PERMISSION_DENIED for a peer address outside ``allowed_peers`` and loopback."""
     job = request.job_id
     if not job or len(job) > MAX_JOB_ID:
         raise invalid(f"ModnnRun: job_id must be 1 to {MAX_JOB_ID} characters, got {len(job)}")
@@ -257,6 +269,15 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry) -> Job:
     me = request.server_index
     if me >= len(peers):
         raise invalid(f"ModnnRun: server_index {me} is not an index of the {len(peers)} peers")
+    if len(peers) > MAX_PEER_CHANNELS or any(len(p) > 256 for p in peers):
+        raise invalid(f"ModnnRun: at most {MAX_PEER_CHANNELS} peers of at most 256 characters each")
+    # This server dials its peers with its own token or client certificate: a client must not be able to
+    # point those credentials at an address of its choosing.
+    for k, peer in enumerate(peers):
+        if k != me and not peer_allowed(peer, allowed_peers):
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"ModnnRun: peer {peer[:80]!r} is not an allowed peer of this server; start it "
+                               "with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
     segments = len(request.segment_models)
     if segments < 1:
         raise invalid("ModnnRun: no segment_models")
@@ -278,7 +299,7 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry) -> Job:
     for j in range(1, len(crops)):
         if len(crops[j]) != len(peers) or any(c < 0 for c in crops[j]):
             raise invalid(f"ModnnRun: level {j} needs one non-negative crop per server")
-    models = [registry.get(name) for name in request.segment_models]
+    models = [registry.get(name, owner=owner) for name in request.segment_models]
     for model in models:
         if len(model.inputs) != 1 or len(model.outputs) != 1:
             raise invalid(f"ModnnRun: segment model {model.name!r} must have one input and one output")
@@ -299,7 +320,7 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry) -> Job:
         if gather_to == me:
             if not request.tail_model:
                 raise invalid("ModnnRun: gather_to names this server but no tail_model is given")
-            tail = registry.get(request.tail_model)
+            tail = registry.get(request.tail_model, owner=owner)
             if len(tail.inputs) != 1:
                 raise invalid(f"ModnnRun: tail model {tail.name!r} must have one input")
     return Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
@@ -326,6 +347,10 @@ class ModnnService:
         """A stub to a peer server (checked address; the channel is reused)."""
         if not address or len(address) > 256 or ":" not in address:
             raise invalid(f"peer address must be host:port, got {address[:64]!r}")
+        if not peer_allowed(address, self.state.peers):  # the server's credentials go only to allowed peers
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"peer {address[:80]!r} is not an allowed peer of this server; start it with --peers "
+                               "listing its peers' host:port (loopback is always allowed)")
         return self._stub(address)
 
     def _stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:

@@ -4,7 +4,7 @@
 - ``--tls-ca``: mutual TLS: a client must present a certificate signed by that CA, or its handshake fails
   (the client sees UNAVAILABLE).
 - ``--token``/``--token-file``: every RPC except the liveness probes (ServerLive, ServerReady and
-  grpc.health.v1.Health, which orchestrators call without credentials) must carry the metadata
+  grpc.health.v1.Health/Check, which orchestrators call without credentials) must carry the metadata
   ``authorization: Bearer <token>``; none or an ill-formed one is UNAUTHENTICATED, a wrong one
   PERMISSION_DENIED.
 - Plain text off loopback: `deepco serve` starts but prints a one-line warning on stderr (see
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import socket
@@ -29,11 +30,12 @@ from deepco.wire.security import ChannelSecurity, check_token, read_pem
 from server.rpc import refusal
 
 # Callable without a token: liveness/readiness probes carry no secrets and must work for orchestrators.
+# They are unary and answered at once; Health/Watch, a stream that holds a worker thread while open, needs
+# the token like every other call (a caller without it must not hold resources).
 OPEN_METHODS = frozenset({
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
     "/grpc.health.v1.Health/Check",
-    "/grpc.health.v1.Health/Watch",
 })
 
 
@@ -110,6 +112,28 @@ def plaintext_warning(host: str, security: ServerSecurity) -> str | None:
     return (f"warning: listening on {host} without TLS: requests, models"
             f"{' and the token' if security.token else ''} cross the network in plain text "
             "(use --tls-cert/--tls-key)")
+
+
+def client_identity(context: grpc.ServicerContext) -> str:
+    """Who is calling, as far as the transport proves it: under mutual TLS, the client certificate's common
+    name (``cn:NAME``; its SHA-256 fingerprint ``cert:HEX`` if it has none); otherwise "" (every caller is
+    the same client: a token only proves membership of the group that holds it)."""
+    auth = context.auth_context() or {}
+    names = auth.get("x509_common_name") or []
+    if names:
+        return "cn:" + names[0].decode(errors="replace")
+    pems = auth.get("x509_pem_cert") or []
+    if pems:
+        return "cert:" + hashlib.sha256(pems[0]).hexdigest()[:32]
+    return ""
+
+
+def metrics_warning(port: int | None, host: str, token: str | None) -> str | None:
+    """The warning line for a metrics endpoint others can reach without a token, or None."""
+    if port is None or token is not None or is_loopback(host):
+        return None
+    return (f"warning: metrics on {host} without --metrics-token: anyone who reaches the port reads the "
+            "loaded models' names and the request counts (use --metrics-token, or --metrics-host 127.0.0.1)")
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

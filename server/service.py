@@ -23,6 +23,7 @@ from deepco.wire.tensors import TensorError, add_output, decode_inputs
 from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
 from server.modnn import ModnnService, parse_request
 from server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
+from server.security import client_identity
 
 log = logging.getLogger("deepco.serve")
 
@@ -106,6 +107,7 @@ class ServerState:
         self.draining = threading.Event()
         self.peer_security = ChannelSecurity()  # how to dial peer servers (MoDNN); server.app sets it
         self.statistics = Statistics()  # Triton's statistics extension, per loaded model
+        self.peers: frozenset[str] = frozenset()  # MoDNN peers (host:port) allowed beyond loopback (--peers)
 
     def extensions(self) -> list[str]:
         """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
@@ -140,7 +142,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.ServicerContext) -> pb.ModelReadyResponse:
         # The protocol answers "not ready" for a model it does not have, rather than an error.
         try:
-            self.state.registry.get(request.name, request.version)
+            self.state.registry.get(request.name, request.version, client_identity(context))
         except RequestError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=not self.state.draining.is_set())
@@ -148,7 +150,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_statuses
     def ModelMetadata(self, request: pb.ModelMetadataRequest,
                       context: grpc.ServicerContext) -> pb.ModelMetadataResponse:
-        model = self.state.registry.get(request.name, request.version)
+        model = self.state.registry.get(request.name, request.version, client_identity(context))
         meta = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=model.name, versions=[model.version], platform=PLATFORM,
@@ -157,7 +159,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_statuses
     def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
-        model = self.state.registry.get(request.model_name, request.model_version)
+        model = self.state.registry.get(request.model_name, request.model_version, client_identity(context))
         with self.state.statistics.measuring(model) as timer:
             arrays = decode_inputs(request)
             model.check_inputs(arrays)
@@ -180,22 +182,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_statuses
     def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.ServicerContext) -> pb.ModelConfigResponse:
         """Triton's model-configuration extension: the configuration derived from the loaded ONNX model."""
-        return pb.ModelConfigResponse(config=model_config(self.state.registry.get(request.name, request.version)))
+        model = self.state.registry.get(request.name, request.version, client_identity(context))
+        return pb.ModelConfigResponse(config=model_config(model))
 
     @_statuses
     def ModelStatistics(self, request: pb.ModelStatisticsRequest,
                         context: grpc.ServicerContext) -> pb.ModelStatisticsResponse:
         """Triton's statistics extension: one model's counters, or every loaded model's (empty name)."""
         registry = self.state.registry
-        models = [registry.get(request.name, request.version)] if request.name else registry.all()
+        owner = client_identity(context)
+        models = [registry.get(request.name, request.version, owner)] if request.name else registry.all(owner)
         return self.state.statistics.response(models)
 
     @_statuses
     def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                         context: grpc.ServicerContext) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse.ModelIndex
-        return pb.RepositoryIndexResponse(
-            models=[index(name=m.name, version=m.version, state="READY") for m in self.state.registry.all()])
+        # reason: what `deepco models` shows (references, bytes, sha256 prefix, seconds since last use)
+        now = time.monotonic()
+        return pb.RepositoryIndexResponse(models=[
+            index(name=h.model.name, version=h.model.version, state="READY",
+                  reason=f"refs={h.refs} bytes={h.model.size} sha256={h.sha256[:16]} idle={now - h.last_used:.0f}s")
+            for _, h in self.state.registry.holdings(client_identity(context))])
 
     @_statuses
     def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
@@ -203,28 +211,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if self.state.draining.is_set():
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         model_bytes, version = model_from_load_request(request.parameters)
-        self.state.registry.load(request.model_name, version, model_bytes)
+        self.state.registry.load(request.model_name, version, model_bytes, client_identity(context))
         return pb.RepositoryModelLoadResponse()
 
     @_statuses
     def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                               context: grpc.ServicerContext) -> pb.RepositoryModelUnloadResponse:
-        self.state.registry.unload(request.model_name)
+        force = request.parameters.get("force")
+        if force is not None and force.WhichOneof("parameter_choice") != "bool_param":
+            raise invalid("parameter 'force' must be a bool (true: drop every reference, not just one)")
+        self.state.registry.unload(request.model_name, client_identity(context),
+                                   force=force is not None and force.bool_param)
         return pb.RepositoryModelUnloadResponse()
 
 
 class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
     """deepco.DeepcoService: what the engine needs beyond the standard protocol."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, max_streams: int | None = None):
         self.state = state
-        # MoDNN jobs block worker threads while they wait for peers: give them the pool (--max-inflight
-        # + server.app.CONTROL_THREADS = 4) less two, kept for health checks and control requests.
-        self.modnn = ModnnService(state, threads=state.admission.limit + 2)
+        # MoDNN jobs hold a stream (a worker thread) for their run and each feeding peer while they wait:
+        # --max-inflight + 2 of them, within the stream budget (server.budgets) so that jobs cannot starve
+        # each other's exchange streams.
+        threads = state.admission.limit + 2
+        self.modnn = ModnnService(state, threads=threads if max_streams is None else min(threads, max_streams))
 
     @_statuses
     def Profile(self, request: dpb.ProfileRequest, context: grpc.ServicerContext) -> dpb.ProfileResponse:
-        model = self.state.registry.get(request.model_name)
+        model = self.state.registry.get(request.model_name, owner=client_identity(context))
         runs = request.runs or PROFILE_DEFAULT_RUNS
         if runs > PROFILE_MAX_RUNS:
             raise invalid(f"Profile: runs must be <= {PROFILE_MAX_RUNS}, got {runs}")
@@ -237,7 +251,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
 
     def Run(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
         with _answering("Run", context):
-            model = self.state.registry.get(request.model_name, request.model_version)
+            model = self.state.registry.get(request.model_name, request.model_version, client_identity(context))
         with self.state.statistics.measuring(model) as timer:  # counted in ModelStatistics like ModelInfer
             with _answering("Run", context):
                 arrays = decode_inputs(request)
@@ -296,7 +310,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         with _answering("ModnnRun", context):
             if self.state.draining.is_set():
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-            job = parse_request(request, self.state.registry)
+            job = parse_request(request, self.state.registry, client_identity(context), self.state.peers)
             self.modnn.mailboxes.claim(job.id, job.threads)
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())

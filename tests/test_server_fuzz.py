@@ -1,5 +1,7 @@
 """Fuzzing the server: thousands of malformed and invalid requests are each answered with an error status,
-promptly; the server neither crashes nor grows, and still answers a valid request correctly afterwards."""
+promptly; the server neither crashes nor grows, and still answers a valid request correctly afterwards.
+Hostile and mutated model uploads (external data, nested subgraphs, value-dependent shapes, flipped bytes)
+are refused with the right status, or served without a server error."""
 
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_server_attacks import bombs, nested_if, reader_models
 from test_server_support import conv_model, reference, serve_process
 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
-from deepco.wire.client import InferenceClient
+from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.tensors import encode_request
 from server.app import ServeConfig, Server
 
@@ -294,3 +297,59 @@ def test_hypothesis_tensors_match_local_validation(server: Server, fault: dict) 
         assert code in REFUSED, (fault, code)
     else:  # tiny valid inputs: a 3x3 conv with padding runs on any H, W >= 1; an empty one ORT may refuse
         assert code in (grpc.StatusCode.OK, INVALID), (fault, code)
+
+
+# ---- model uploads: external data, nested subgraphs, value-dependent shapes, mutated files ----------------
+def _hostile_model(kind: str, variant: int) -> tuple[bytes, set[grpc.StatusCode], dict[str, np.ndarray] | None]:
+    """(model, the load refusals allowed, inputs whose run must be refused RESOURCE_EXHAUSTED if it loads)."""
+    if kind == "external":
+        models = list(reader_models().values())
+        return models[variant % len(models)], {INVALID}, None
+    if kind == "nested":
+        return nested_if(1 + variant % 16), {grpc.StatusCode.RESOURCE_EXHAUSTED}, None
+    cases = list(bombs().values())
+    model, inputs = cases[variant % len(cases)]
+    return model, set(), inputs
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["external", "nested", "bomb"]), variant=st.integers(0, 1000))
+def test_hypothesis_hostile_model_uploads_are_refused(server: Server, kind: str, variant: int) -> None:
+    model, refusals, inputs = _hostile_model(kind, variant)
+    with InferenceClient(server.address, timeout=CALL_TIMEOUT) as c:
+        name = f"hostile-{kind}-{variant}"
+        try:
+            c.load_model(model, name)
+        except ServerError as exc:
+            assert exc.code in refusals, (kind, variant, exc.code, exc.details)
+        else:
+            assert not refusals, (kind, variant, "loaded")
+            assert inputs is not None
+            with pytest.raises(ServerError) as info:
+                c.infer_many(name, inputs)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (kind, variant, info.value.details)
+            c.unload_model(name)
+        assert c.server_ready(timeout=1.0)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flips=st.lists(st.tuples(st.integers(0, len(MODEL) - 1), st.integers(1, 255)), min_size=1, max_size=8))
+def test_hypothesis_mutated_model_files_are_refused_or_served(server: Server, flips: list[tuple[int, int]]) -> None:
+    data = bytearray(MODEL)
+    for at, xor in flips:
+        data[at] ^= xor
+    with InferenceClient(server.address, timeout=CALL_TIMEOUT) as c:
+        try:
+            c.load_model(bytes(data), "mutant")
+        except ServerError as exc:
+            # A broken file is refused by what is wrong with it; never a server error, never a hang.
+            assert exc.code in (INVALID, grpc.StatusCode.RESOURCE_EXHAUSTED), (exc.code, exc.details)
+        else:
+            try:
+                c.infer_many("mutant", {"input": X})
+            except ServerError as exc:
+                assert exc.code in (INVALID, NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED), (exc.code, exc.details)
+            finally:
+                c.unload_model("mutant")
+        assert c.server_ready(timeout=1.0)
+        assert c.loaded_models() == ["conv"]

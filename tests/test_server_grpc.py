@@ -158,6 +158,9 @@ def test_bad_loads_are_invalid_argument(client: InferenceClient, stub) -> None:
     assert code == INVALID and "model 'junk' is not a valid ONNX model" in msg
     code, msg = _status(client.load_model, MODEL[: len(MODEL) // 2], "truncated")
     assert code == INVALID and "not a valid ONNX model" in msg
+    # found by the mutated-upload fuzzing: a tensor name that is not UTF-8 was INTERNAL
+    code, msg = _status(client.load_model, MODEL.replace(b"input", b"\xce\xffput"), "not-utf8")
+    assert code == INVALID and "not a valid ONNX model" in msg
 
     no_file = pb.RepositoryModelLoadRequest(model_name="conv2")
     no_file.parameters["config"].string_param = "{}"
@@ -183,9 +186,10 @@ def test_max_models_bound(client: InferenceClient) -> None:
     client.load_model(MODEL, "second")  # the fixture's server allows 2
     code, msg = _status(client.load_model, MODEL, "third")
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-models" in msg
-    client.load_model(conv_model(seed=5), "second")  # replacing a loaded model needs no new place
+    client.load_model(MODEL, "second")  # the same file again: one more reference, no new place
+    client.unload_model("second")  # drops that reference: still loaded
     x = _x(1, 3, 8, 8)
-    np.testing.assert_allclose(client.infer("second", x), reference(conv_model(seed=5), x), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(client.infer("second", x), reference(MODEL, x), rtol=0, atol=1e-5)
     client.unload_model("second")
     client.load_model(MODEL, "third")
     assert sorted(client.loaded_models()) == ["conv", "third"]

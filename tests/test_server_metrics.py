@@ -106,9 +106,11 @@ def test_json_logs_and_metrics_endpoint_of_the_cli() -> None:
         assert _sum(samples, "deepco_grpc_requests_total", method="ModelInfer") == 2
 
 
-def test_bounded_queue_refuses_the_excess_at_once_and_is_measured() -> None:
-    # --max-inflight 1: 5 worker threads; --max-queue 2: two more RPCs may wait, the next is refused.
-    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_inflight=1, max_queue=2, metrics_port=0))
+def test_stream_budget_refuses_the_excess_at_once_and_control_calls_still_answer() -> None:
+    # 3 stream slots (server.budgets), in a pool with threads beyond them for control calls. (Before the
+    # budgets, five held streams took every worker thread and further calls queued.)
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_inflight=1, max_queue=2, metrics_port=0,
+                             max_streams=3))
     release = threading.Event()
 
     def held_stream() -> Iterator[bytes]:
@@ -120,27 +122,22 @@ def test_bounded_queue_refuses_the_excess_at_once_and_is_measured() -> None:
         with grpc.insecure_channel(srv.address) as channel:
             exchange = channel.stream_unary("/deepco.DeepcoService/ModnnExchange")
             live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
-            holders = [exchange.future(held_stream(), timeout=30) for _ in range(5)]
+            holders = [exchange.future(held_stream(), timeout=30) for _ in range(3)]
             deadline = time.monotonic() + 10
-            while _sum(_scrape(srv.metrics_port), "deepco_grpc_inflight") < 5 and time.monotonic() < deadline:
+            while _sum(_scrape(srv.metrics_port), "deepco_grpc_inflight") < 3 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            queued = [live.future(b"", timeout=30) for _ in range(2)]
-            while _sum(_scrape(srv.metrics_port), "deepco_grpc_queued") < 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert _sum(_scrape(srv.metrics_port), "deepco_grpc_queued") == 2
+            assert _sum(_scrape(srv.metrics_port), "deepco_grpc_inflight") == 3
             start = time.perf_counter()
             with pytest.raises(grpc.RpcError) as info:
-                live(b"", timeout=10)
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert time.perf_counter() - start < 2  # refused at once, not after the queue drained
-            assert not any(f.done() for f in queued)
+                exchange(held_stream(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "stream" in info.value.details()
+            assert time.perf_counter() - start < 2  # refused at once, not after a stream ended
+            live(b"", timeout=2)  # control calls still find a thread
+            assert _sum(_scrape(srv.metrics_port), "deepco_grpc_queued") == 0
             release.set()
-            for f in queued:
-                f.result(timeout=10)  # the queued calls are served once threads free up
             for f in holders:
                 with contextlib.suppress(grpc.RpcError):
                     f.result(timeout=10)
-            assert _sum(_scrape(srv.metrics_port), "deepco_grpc_queued") == 0
     finally:
         release.set()
         srv.stop(grace=1)

@@ -92,10 +92,10 @@ def _pump(stream, sink: queue.Queue | list) -> None:
 
 
 @contextlib.contextmanager
-def serve_process(*args: str, startup_timeout: float = 30.0) -> Iterator[ServeProcess]:
-    """Start `python -m deepco serve --port 0 ARGS` and yield it once it prints its address."""
+def serve_process(*args: str, startup_timeout: float = 30.0, cwd: Path = ROOT) -> Iterator[ServeProcess]:
+    """Start `python -m deepco serve --port 0 ARGS` (in ``cwd``) and yield it once it prints its address."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", *args], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     stderr_lines: list[str] = []

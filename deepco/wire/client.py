@@ -26,6 +26,15 @@ from deepco.wire.security import ChannelSecurity, make_channel
 from deepco.wire.tensors import decode_outputs, encode_request
 
 
+def content_name(base: str, model_bytes: bytes) -> str:
+    """A content-addressed model name: ``<base>-sha256-<16 hex digits of the file's SHA-256>``.
+
+    `deepco serve` loads under such a name only a file with that digest and never replaces a loaded name, so
+    whoever runs the name runs those bytes, whoever uploaded them first.
+    """
+    return f"{base[:100]}-sha256-{hashlib.sha256(model_bytes).hexdigest()[:16]}"
+
+
 class ServerError(UserError):
     """A server answered with an error status (or could not be reached)."""
 
@@ -149,10 +158,19 @@ class InferenceClient:
         self._call(self.inference.RepositoryModelLoad, request)
         self._input_names.pop(name, None)
 
-    def unload_model(self, name: str) -> None:
-        """Unload a model."""
-        self._call(self.inference.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name=name))
+    def unload_model(self, name: str, force: bool = False, timeout: float | None = None) -> None:
+        """Unload a model: `deepco serve` drops one reference (other loads of the same file keep it loaded);
+        ``force`` drops them all."""
+        request = pb.RepositoryModelUnloadRequest(model_name=name)
+        if force:
+            request.parameters["force"].bool_param = True
+        self._call(self.inference.RepositoryModelUnload, request, timeout=timeout)
         self._input_names.pop(name, None)
+
+    def model_index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        """RepositoryIndex: every loaded model (of this client's identity under mutual TLS) with its version,
+        state and, from `deepco serve`, a reason like ``refs=1 bytes=123 sha256=... idle=4s``."""
+        return list(self._call(self.inference.RepositoryIndex, pb.RepositoryIndexRequest()).models)
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """ModelReady."""

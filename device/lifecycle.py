@@ -1,0 +1,46 @@
+"""The models a device uploads: content-addressed names, and unloaded again when the device closes.
+
+A device uploads under :func:`deepco.wire.client.content_name` names, so it only ever shares a model with
+byte-identical uploads (the server adds a reference rather than a copy, and refuses other bytes under the
+name). What it uploaded it unloads on close, also after Ctrl-C; if it dies without closing, the server's
+``--model-lease`` unloads the models once nobody uses them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from deepco.errors import UserError
+from deepco.wire.client import InferenceClient, content_name
+
+UNLOAD_TIMEOUT = 5.0  # per model on close: a frozen server must not hold up the device's exit
+
+
+class Uploads:
+    """Models this device loaded on servers, to unload on :meth:`release`."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[InferenceClient, str]] = []
+        self._lock = threading.Lock()
+
+    def upload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
+        """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name."""
+        name = content_name(base, model_bytes)
+        client.load_model(model_bytes, name)
+        with self._lock:
+            self._held.append((client, name))
+        return name
+
+    def release(self, names: set[str] | None = None) -> list[str]:
+        """Unload what was uploaded (``names``: only those), each load once, so other devices' references
+        stay; returns one line per model that could not be unloaded (its server's lease will)."""
+        with self._lock:
+            held = [(c, n) for c, n in self._held if names is None or n in names]
+            self._held = [(c, n) for c, n in self._held if names is not None and n not in names]
+        problems = []
+        for client, name in reversed(held):
+            try:
+                client.unload_model(name, timeout=UNLOAD_TIMEOUT)
+            except (UserError, ValueError) as exc:  # gone, refused, or its channel closed: its lease will do
+                problems.append(f"could not unload {name} from {client.address}: {exc}")
+        return problems

@@ -1,0 +1,135 @@
+"""Model lifecycle across real processes: `deepco run` unloads what it uploaded when it ends (also on Ctrl-C),
+a SIGKILLed device's models go when their lease runs out, and `deepco models` lists and clears models."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_server_support import ROOT, conv_model, serve_process
+
+from deepco.wire.client import InferenceClient
+from device.sources import make_pan_zoom_clip
+
+PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
+SIZE = "64x80"
+LEASE = 3.0
+
+
+def deepco(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepco", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serve_process("--threads", "1", "--model-lease", str(LEASE))) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def setup(servers, tmp_path_factory):
+    """(cluster file, exported model, a long clip)."""
+    work = tmp_path_factory.mktemp("lifecycle")
+    model = work / "resnet18.onnx"
+    result = deepco("export", "--model", "resnet18", "--input-size", SIZE, "--output", str(model))
+    assert result.returncode == 0, result.stderr
+    cluster = work / "cluster.toml"
+    lines = ["[device]", "antennas = 1", "bandwidth = 100.0"]
+    for i, s in enumerate(servers):
+        lines += ["[[servers]]", f'name = "s{i}"', "capacity = 1.0", f'address = "{s.address}"']
+    cluster.write_text("\n".join(lines) + "\n")
+    clip = make_pan_zoom_clip(PHOTO, work / "clip.avi", frames=400, size=(80, 64))
+    return cluster, model, clip
+
+
+def _loaded(servers) -> list[list[str]]:
+    out = []
+    for s in servers:
+        with InferenceClient(s.address, timeout=5) as c:
+            out.append(c.loaded_models())
+    return out
+
+
+def _run_args(setup, frames: int) -> list[str]:
+    cluster, model, clip = setup
+    return ["run", "--cluster", str(cluster), "--model", str(model), "--input-size", SIZE, "--source", str(clip),
+            "--frames", str(frames), "--cut", "layer1", "--quiet"]
+
+
+def _start_run(setup) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "deepco", *_run_args(setup, 400)], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_uploaded(servers, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        if all(any("-head-sha256-" in n for n in names) for names in _loaded(servers)):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the device never uploaded its head")
+
+
+def test_run_unloads_what_it_uploaded(servers, setup) -> None:
+    result = deepco(*_run_args(setup, 2))
+    assert result.returncode == 0, result.stderr
+    assert _loaded(servers) == [[], []]
+
+
+def test_ctrl_c_still_unloads(servers, setup) -> None:
+    proc = _start_run(setup)
+    try:
+        _wait_uploaded(servers, proc)
+        time.sleep(1.0)  # frames in flight
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _loaded(servers) == [[], []]
+
+
+def test_a_killed_devices_models_go_when_the_lease_ends(servers, setup) -> None:
+    proc = _start_run(setup)
+    try:
+        _wait_uploaded(servers, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed = time.monotonic()
+    assert all(names for names in _loaded(servers))  # left behind by the dead device...
+    while any(_loaded(servers)) and time.monotonic() - killed < LEASE + 10:
+        time.sleep(0.5)
+    assert _loaded(servers) == [[], []]  # ...until its lease ran out
+    assert time.monotonic() - killed >= LEASE - 1.0
+
+
+def test_models_command_lists_and_clears(servers, setup) -> None:
+    cluster = setup[0]
+    for s in servers:
+        with InferenceClient(s.address) as c:
+            c.load_model(conv_model(), "a")
+            c.load_model(conv_model(), "a")  # two references: a plain unload would leave it
+            c.load_model(conv_model(seed=1), "b")
+    listing = deepco("models", "--cluster", str(cluster))
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.count("2 model(s) loaded") == 2 and "refs=2" in listing.stdout
+    one = deepco("models", "--cluster", str(cluster), "--unload", "a")
+    assert one.returncode == 0 and one.stdout.count("unloaded a") == 2, one.stderr
+    assert _loaded(servers) == [["b"], ["b"]]
+    missing = deepco("models", "--cluster", str(cluster), "--unload", "nope")
+    assert missing.returncode == 2 and "no server" in missing.stderr
+    everything = deepco("models", "--cluster", str(cluster), "--all")
+    assert everything.returncode == 0, everything.stderr
+    assert _loaded(servers) == [[], []]
