@@ -37,8 +37,8 @@ from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, as
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
-from device.preprocess import preprocessing_for
 from device.lifecycle import Uploads
+from device.preprocess import preprocessing_for
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")

@@ -16,8 +16,6 @@ all come from it.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
 import queue
 import threading
@@ -40,11 +38,6 @@ from device.records import FrameResult
 from device.session import BUSY_BACKOFF, Device, _session
 
 MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
-
-
-def content_name(tag: str, data: bytes) -> str:
-    """A model name that names its bytes: a device only ever reuses a byte-identical model."""
-    return f"{tag}-{hashlib.sha256(data).hexdigest()[:16]}"
 
 
 class StagedPlanner:
@@ -119,11 +112,8 @@ class StagedRunner:
 
     # ---- setup ----------------------------------------------------------------------------------------
     def _upload(self, server: str, data: bytes) -> str:
-        name = content_name(self.device.tag, data)
-        client = self.device.client(self.index[server], 0)
-        if name not in client.loaded_models():
-            client.load_model(data, name)
-        return name
+        """Load (content-addressed, reference-counted: see device.lifecycle) and remember for the device's close."""
+        return self.device.uploads.upload(self.device.client(self.index[server], 0), data, self.device.tag)
 
     def _prepare(self) -> None:
         dev, plan = self.device, self.plan
@@ -152,19 +142,6 @@ class StagedRunner:
             self.tail_name = self._upload(plan.tail, tail_bytes)
         self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
         self.row_bytes = 3 * dev.width * p.graph.itemsize
-
-    def unload(self) -> None:
-        """Unload what this runner uploaded (best effort)."""
-        names = []
-        if self.plan.kind == "offload":
-            names = [(self.plan.servers[0], self.whole_name)]
-        elif self.plan.kind == "split":
-            names = [(s, n) for s in self.plan.servers for n in self.segment_names]
-            if self.plan.tail:
-                names.append((self.plan.tail, self.tail_name))
-        for server, name in names:
-            with contextlib.suppress(ServerError):
-                self.device.client(self.index[server], 0).unload_model(name)
 
     # ---- one frame ------------------------------------------------------------------------------------
     def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:

@@ -22,8 +22,8 @@ from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
 from server.modnn import ModnnService, parse_request
-from server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
 from server.security import client_identity
+from server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
 
 log = logging.getLogger("deepco.serve")
 
