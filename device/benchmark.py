@@ -142,8 +142,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         from device.staged import StagedPlanner
 
         planner = StagedPlanner(device)
+        auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
-                 "auto": planner.best("latency"), "auto-throughput": planner.best("throughput")}
+                 "auto": auto, "auto-throughput": planner.best("throughput")}
         for name in ("auto", "auto-throughput"):
             if name in algorithms:
                 log(f"{name} plan: {plans[name].describe()} (predicted {plans[name].predicted * 1e3:.1f} ms, "
@@ -194,8 +195,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                                      "rows": [s.start, s.stop]} for s in r.impl.slices]
                 entry["plan_text"] = device.describe_plan(r.impl)
             results[a] = entry
+        measured = device.measured.to_dict() | {"step_overhead": planner.step_overhead}
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,
-                "measured": device.measured.to_dict(), "bound": limits, "algorithms": results}
+                "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 from device.staged import StagedPlanner, StagedRunner
 
                 planner = StagedPlanner(dev)
-                plan = planner.best(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
+                plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
                 runner = StagedRunner(dev, plan)
                 predicted = plan.predicted
                 print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "

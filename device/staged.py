@@ -17,7 +17,9 @@ all come from it.
 from __future__ import annotations
 
 import itertools
+import json
 import queue
+import statistics
 import threading
 import time
 import uuid
@@ -51,10 +53,13 @@ class StagedPlanner:
         out_bytes = 4 * int(np.prod([d if isinstance(d, int) else 1 for d in out.shape])) if out else 4096
         self.costs = CostModel(device.partitioner, 3 * device.height * device.width * device.partitioner.graph.itemsize,
                                out_bytes)
+        self.step_overhead = 0.0
+        self.trials: list[dict] = []  # what calibrate() timed
 
     def rates(self, exclude: Iterable[str] = ()):
-        """The measured rates, without the servers in ``exclude``."""
+        """The measured rates (with the fitted step overhead), without the servers in ``exclude``."""
         r = self.device.measured.rates()
+        r.step_overhead = self.step_overhead
         for name in exclude:
             r.server_flops_per_second.pop(name, None)
         return r
@@ -91,6 +96,46 @@ class StagedPlanner:
         if name == "auto":
             return self.best()
         raise UserError(f"unknown staged plan {name!r}")
+
+    def calibrate(self, objective: str = "latency", frames: int = 2, rounds: int = 3) -> StagedPlan:
+        """Plan, time the plan on real frames, fit the per-step overhead the cost model lacks, plan again;
+        stop when the plan repeats. Returns the fastest *measured* of the plans tried, re-predicted with the
+        fitted overhead (every trial is kept in ``trials``). The timing uses blank pixels: a CNN's work does
+        not depend on what the image shows."""
+        from deepco.planning.staged import predict, steps
+
+        px = np.zeros((1, 3, self.device.height, self.device.width), np.uint8)
+        measured: dict[str, tuple[float, StagedPlan]] = {}
+        plan = self.best(objective)
+        for _ in range(rounds):
+            key = json.dumps(plan.to_dict() | {"predicted": 0, "breakdown": {}}, sort_keys=True)
+            if key in measured:
+                break
+            runner = StagedRunner(self.device, plan)
+            runner.run_frame(px)  # warm-up: first runs allocate
+            times = [runner.run_frame(px)[1]["latency"] for _ in range(frames)]
+            seconds = statistics.median(times)
+            measured[key] = (seconds, plan)
+            n = steps(plan)
+            base = self.step_overhead
+            self.step_overhead = 0.0
+            unexplained = seconds - predict(plan, self.costs, self.rates())["frame"]
+            self.step_overhead = max(0.0, unexplained / n) if n else base
+            self.trials.append({"plan": plan.describe(), "predicted": plan.predicted, "measured": seconds,
+                                "steps": n, "step_overhead": self.step_overhead})
+            self.device.log(f"calibration: {plan.describe()}: predicted {plan.predicted * 1e3:.1f} ms, measured "
+                            f"{seconds * 1e3:.1f} ms; step overhead {self.step_overhead * 1e3:.2f} ms")
+            plan = self.best(objective)
+        if objective != "latency":  # one frame's time says little about sustained fps: keep the last plan
+            return self._repredict(plan)
+        return self._repredict(min(measured.values(), key=lambda v: v[0])[1])
+
+    def _repredict(self, plan: StagedPlan) -> StagedPlan:
+        from deepco.planning.staged import predict
+
+        plan.breakdown = predict(plan, self.costs, self.rates())
+        plan.predicted = plan.breakdown["frame"]
+        return plan
 
     def fps(self, plan: StagedPlan) -> float:
         """Predicted sustained frames per second of ``plan`` with frames pipelined."""

@@ -51,6 +51,9 @@ class Rates:
     peer_overhead: float  # one server-to-server message's fixed cost
     device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal one byte sent or received
     paced: bool = False
+    # fixed cost of one server step (a stage, a gather, an offload): the message, the ORT call and Python
+    # under the server's CPU share; fitted at setup from timed frames (device.staged.StagedPlanner.calibrate)
+    step_overhead: float = 0.0
 
     def to_dict(self) -> dict:
         """JSON form."""
@@ -187,6 +190,15 @@ def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates) -> list
     return arrived
 
 
+def steps(plan: StagedPlan) -> int:
+    """Server steps on a frame's critical path, each paying ``Rates.step_overhead``."""
+    if plan.kind == "local":
+        return 0
+    if plan.kind == "offload":
+        return 1
+    return len(plan.levels) + (1 if plan.tail else 0)
+
+
 def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     """Predicted timeline of one frame (seconds): ``frame`` and its parts."""
     out_bytes = costs.output_bytes
@@ -196,7 +208,7 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     if plan.kind == "offload":
         name, m = plan.servers[0], plan.antennas[0]
         arrive = _send_schedule(plan, [costs.input_bytes], rates)[0]
-        compute = costs.total_flops / rates.server_flops_per_second[name]
+        compute = costs.total_flops / rates.server_flops_per_second[name] + rates.step_overhead
         back = out_bytes / rates.antenna_bytes_per_second[m] + out_bytes * rates.device_seconds_per_byte
         return {"frame": arrive + compute + back, "transfer": arrive, "compute": compute, "return": back}
     n = len(plan.servers)
@@ -215,7 +227,7 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
                 for k, (a, b) in receives(plan.bands, plan.windows, j - 1, i).items():
                     ready[i] = max(ready[i], done[k] + hop + (b - a) * row / link)
         flops = [costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for i in range(n)]
-        done = [ready[i] + flops[i] / speed[i] for i in range(n)]
+        done = [ready[i] + flops[i] / speed[i] + rates.step_overhead for i in range(n)]
         stages.append(max(done))
     last = plan.levels[-1]
     row = costs.row_bytes(last)
@@ -234,7 +246,7 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     for i in range(n):
         if i != c:
             gathered = max(gathered, done[i] + hop + (plan.bands[-1][i][1] - plan.bands[-1][i][0]) * row / link)
-    tail = tail_flops / speed[c]
+    tail = tail_flops / speed[c] + rates.step_overhead
     back = rates.request_overhead + out_bytes / rates.antenna_bytes_per_second[plan.antennas[c]]
     return {"frame": gathered + tail + back, "arrived": arrived, "stages": stages, "gathered": gathered,
             "tail": tail, "return": back}
