@@ -32,8 +32,8 @@ capacity = 7.0
 """
 
 
-def deepco(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepco", *args], capture_output=True, text=True, timeout=60)
+def deepco(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepco", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -222,7 +222,8 @@ def test_deepco_run_needs_nothing_but_server_addresses(address_only, tmp_path):
     cluster, model, _ = address_only
     saved = tmp_path / "out.npz"
     result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64",
-                    "--source", str(PHOTO), "--frames", "2", "--cut", "layer2", "--save-outputs", str(saved))
+                    "--source", str(PHOTO), "--frames", "2", "--cut", "layer2", "--save-outputs", str(saved),
+                    timeout=300)
     assert result.returncode == 0, result.stderr
     assert "measured:" in result.stdout and "0 failed" in result.stdout
     data = np.load(saved)
@@ -236,7 +237,8 @@ def test_plan_with_a_model_is_a_dry_run_on_the_real_servers(address_only):
 
     cluster, model, addresses = address_only
     before = [InferenceClient(a).loaded_models() for a in addresses]
-    result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64", "--json")
+    result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64", "--json",
+                    timeout=300)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)  # exactly one JSON object; progress went to stderr
     assert out["model"] == str(model) and out["input_size"] == [64, 64]
