@@ -11,23 +11,18 @@ band of the cut tensor; the device concatenates the bands (disjoint: no crop) an
     dev = Device(cluster, "resnet18", 224, 224, cut="layer2"); dev.setup()   # measure, upload THREAD's head
     runner = ModnnRunner(dev, "modnn-ma")           # association, tables, segment models uploaded
     runner.predicted                                # predicted frame time (s), runner.prediction: breakdown
-    output, timing = runner.run_frame(x)            # x: 1x3xHxW float32; output: the model's output
+    output, timing = runner.run_frame(x)            # x: 1x3xHxW uint8 pixels; output: the model's output
 
-Frames run one at a time (MoDNN's servers synchronise every level, so there is nothing to pipeline). With
-a Device made with ``pace=True`` the sends are paced per antenna exactly as Device.run paces THREAD's;
-server-to-server exchanges are not paced (the servers' LAN).
+MoDNN is one shape of staged plan (deepco.planning.staged: a stage per cut, no lookahead, the tail on the
+device): this module builds MoDNN's association and band tables and keeps MoDNN's own cost model; the
+staged runtime (device/staged.py) runs the frames. With a Device made with ``pace=True`` the sends are
+paced per antenna exactly as Device.run paces THREAD's; server-to-server exchanges are not paced.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 
 from deepco.errors import UserError
@@ -36,21 +31,12 @@ from deepco.planning.baselines import modnn_ma, modnn_sa
 from deepco.planning.modnn import ownership as ownership_tables
 from deepco.planning.modnn import receives, sends
 from deepco.planning.rows import Node, abstract_instance, association
+from deepco.planning.staged import StagedPlan
 from deepco.wire import deepco_service_pb2 as dpb
-from deepco.wire.client import ServerError, content_name
-from deepco.wire.rows import decode_rows, encode_rows
 from device.session import Device
+from device.staged import StagedRunner
 
 ALGORITHMS = ("modnn-sa", "modnn-ma")
-
-
-@dataclass
-class _Call:
-    server: int
-    antenna: int
-    events: Any = None
-    send_start: float = 0.0
-    received: float = 0.0
 
 
 class ModnnRunner:
@@ -92,30 +78,36 @@ class ModnnRunner:
         self.windows = [[]] + [[seg.window(*self.bands[j][i]) for i in range(len(servers))]
                                for j, seg in enumerate(self.segments, start=1)]
         self.peers = [device.cluster.address_on(s, 0) for s in servers]
-        self.model_names = [f"{device.tag}-{self.cut.name}-modnn{j}-{len(self.segments)}"
-                            for j in range(1, len(self.segments) + 1)]
-        self._upload()
+        self._check_room()
+        # MoDNN is one shape of staged plan: a stage per cut, bands from the image on (no lookahead), the tail
+        # on the device; the staged runtime runs it (and uploads its segment models)
+        position = {i: (m, k) for m, group in enumerate(self.groups) for k, i in enumerate(group)}
+        self.plan = StagedPlan(algorithm, "split", servers=[s.name for s in servers],
+                               antennas=[position[i][0] for i in range(len(servers))],
+                               order=[position[i][1] for i in range(len(servers))],
+                               levels=[seg.name for seg in self.segments], bands=self.bands,
+                               windows=[list(self.bands[0])] + [[w.input_rows for w in level]
+                                                               for level in self.windows[1:]],
+                               crops=[[]] + [[w.crop[0] for w in level] for level in self.windows[1:]],
+                               lookahead=False, tail=None)
+        self.staged = StagedRunner(device, self.plan, exchange_timeout=exchange_timeout, timeout=timeout)
+        self.model_names = self.staged.segment_names
         self.prediction = self._predict()
         self.predicted: float = self.prediction["frame"]
+        self.plan.predicted, self.plan.breakdown = self.predicted, self.prediction
 
     # ---- setup ----------------------------------------------------------------------------------------
-    def _upload(self) -> None:
-        """Every segment model to every server (RepositoryModelLoad) under content-addressed names."""
-        data = [seg.model.SerializeToString() for seg in self.segments]
-        bases, names = self.model_names, []
+    def _check_room(self) -> None:
+        """Every server needs a free model slot per segment (`deepco serve --max-models`): say so before
+        uploading anything."""
         for k in range(len(self.device.cluster.servers)):
             client = self.device.client(k, 0)
-            loaded = set(client.loaded_models())
-            # one model per segment: a server needs that many free model slots (`deepco serve --max-models`)
-            missing = [b for b, d in zip(bases, data, strict=True) if content_name(b, d) not in loaded]
+            loaded = len(client.loaded_models())
             limit = client.server_metadata().get("deepco_max_models")
-            if limit is not None and len(loaded) + len(missing) > int(limit):
+            if limit is not None and loaded + len(self.segments) > int(limit):
                 raise UserError(f"MoDNN at cut {self.cut.name!r} needs {len(self.segments)} segment models on "
-                                f"each server, but server {client.address} has {len(loaded)} of its {limit} model "
+                                f"each server, but server {client.address} has {loaded} of its {limit} model "
                                 "slots taken; start it with a larger --max-models")
-            names = [self.device.uploads.upload(client, model, base)
-                     for base, model in zip(bases, data, strict=True)]
-        self.model_names = names
 
     def _predict(self) -> dict[str, Any]:
         """The cost model: transfers per antenna in order (everyone waits for the last band), then per level
@@ -161,135 +153,19 @@ class ModnnRunner:
 
     def request(self, job: str, server: int, x: np.ndarray) -> dpb.ModnnRequest:
         """The ModnnRequest for ``server``: its own band of the image and every level's tables."""
-        levels = []
-        for j in range(len(self.segments) + 1):
-            level = dpb.ModnnLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in self.bands[j]])
-            if j:
-                level.window.extend(dpb.RowRange(start=w.input_rows[0], stop=w.input_rows[1])
-                                    for w in self.windows[j])
-                level.crop.extend(w.crop[0] for w in self.windows[j])
-            levels.append(level)
-        a, b = self.bands[0][server]
-        return dpb.ModnnRequest(job_id=job, segment_models=self.model_names, server_index=server, peers=self.peers,
-                                levels=levels, input=encode_rows(np.ascontiguousarray(x[:, :, a:b, :]), a),
-                                exchange_timeout_seconds=self.exchange_timeout)
+        return self.staged.request(job, server, x)
 
     # ---- running --------------------------------------------------------------------------------------
     def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        """One frame (1x3xHxW float32) through MoDNN: (the model's output, timing dict in seconds).
+        """One frame (1x3xHxW uint8 pixels) through MoDNN: (the model's output, timing dict in seconds).
 
         Raises ServerError naming the server (or, from a server, the peer) that failed; the other servers'
         jobs are cancelled so they clean up at once."""
-        dev = self.device
-        job = uuid.uuid4().hex
-        start = time.perf_counter()
-        calls = {i: _Call(i, m) for m, group in enumerate(self.groups) for i in group}
-        lock = threading.Lock()
-        failure: list[ServerError] = []
-
-        def sender(m: int) -> None:
-            for i in self.groups[m]:
-                call = calls[i]
-                client = dev.client(i, m)
-                sent = time.perf_counter()
-                call.send_start = sent - start
-                try:
-                    events = client.deepco.ModnnRun(self.request(job, i, x), timeout=self.timeout)
-                    with lock:
-                        call.events = events
-                    first = next(events)
-                    if first.WhichOneof("event") != "received":
-                        raise ServerError(client.address, grpc.StatusCode.INTERNAL, "ModnnRun answered out of order")
-                except grpc.RpcError as exc:
-                    failure.append(ServerError(client.address, exc.code(), exc.details() or ""))
-                    return
-                except ServerError as exc:
-                    failure.append(exc)
-                    return
-                if dev.pace:  # as Device.run: hold the antenna for as long as these bytes take at its bandwidth
-                    a, b = self.bands[0][i]
-                    nbytes = (b - a) * self.segments[0].in_row_bytes
-                    pause = sent + nbytes / dev.measured.antenna_bytes_per_second[m] - time.perf_counter()
-                    if pause > 0:
-                        time.sleep(pause)
-                call.received = time.perf_counter() - start
-
-        def collect(i: int) -> tuple[dpb.ModnnResult, float]:
-            call = calls[i]
-            client = dev.client(i, call.antenna)
-            try:
-                event = next(call.events)
-            except grpc.RpcError as exc:
-                raise ServerError(client.address, exc.code(), exc.details() or "") from None
-            except StopIteration:
-                raise ServerError(client.address, grpc.StatusCode.INTERNAL, "ModnnRun ended without a result") \
-                    from None
-            return event.modnn_result, time.perf_counter() - start
-
-        senders = [threading.Thread(target=sender, args=(m,), daemon=True) for m, g in enumerate(self.groups) if g]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join()
-        sent = time.perf_counter() - start
-        results: dict[int, tuple[dpb.ModnnResult, float]] = {}
-        try:
-            if failure:
-                raise failure[0]
-            with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-                futures = {pool.submit(collect, i): i for i in calls}
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                errors = [f.exception() for f in done if f.exception() is not None]
-                if errors:
-                    self._cancel(calls)
-                    raise _root_cause(errors)
-                for f, i in futures.items():
-                    results[i] = f.result()
-        except BaseException:
-            self._cancel(calls)
-            raise
-        collected = time.perf_counter()
-        pieces = []
-        for i in range(len(self.rates)):
-            array, row = decode_rows(results[i][0].output, f"band of server {i}")
-            a, b = self.bands[-1][i]
-            if row != a or array.shape[2] != b - a:
-                raise ServerError(dev.client(i, calls[i].antenna).address, grpc.StatusCode.INTERNAL,
-                                  f"returned rows [{row}, {row + array.shape[2]}), expected [{a}, {b})")
-            pieces.append(array)
-        stitched = np.ascontiguousarray(np.concatenate(pieces, axis=2))
-        mid = time.perf_counter()
-        output = dev.tail.run(None, {dev.tail_input: stitched})[0]
-        end = time.perf_counter()
-        timing: dict[str, Any] = {
-            "latency": end - start, "sent": sent, "collected": collected - start, "stitch": mid - collected,
-            "tail": end - mid, "predicted": self.predicted, "servers": []}
-        for i in range(len(self.rates)):
-            r, finish = results[i]
-            timing["servers"].append({
-                "name": dev.cluster.servers[i].name, "antenna": calls[i].antenna, "rows": list(self.bands[0][i]),
-                "send_start": calls[i].send_start, "received": calls[i].received, "finish": finish,
-                "compute": r.compute_seconds, "exchange_wait": r.exchange_wait_seconds, "queue": r.queue_seconds,
-                "messages_received": r.messages_received, "messages_sent": r.messages_sent,
-                "bytes_received": r.bytes_received, "bytes_sent": r.bytes_sent})
+        output, timing = self.staged.run_frame(x)
+        timing["predicted"] = self.predicted
         return output, timing
-
-    @staticmethod
-    def _cancel(calls: dict[int, _Call]) -> None:
-        for call in calls.values():
-            if call.events is not None:
-                call.events.cancel()
 
     def unload(self) -> None:
         """Unload the segment models from every server."""
         self.device.uploads.release(set(self.model_names))
 
-
-def _root_cause(errors: list[BaseException]) -> BaseException:
-    """Of several servers' failures, the one that names the cause rather than a consequence (a cancelled
-    job, or a peer that stopped waiting because of it)."""
-    def rank(exc: BaseException) -> int:
-        code = getattr(exc, "code", None)
-        return {grpc.StatusCode.CANCELLED: 2, grpc.StatusCode.DEADLINE_EXCEEDED: 1}.get(code, 0)
-
-    return min(errors, key=rank)

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 import grpc
@@ -220,7 +220,8 @@ class StagedRunner:
                             "queue": queued, "server": server}
         return self._split_frame(x, start)
 
-    def _request(self, job: str, i: int, x: np.ndarray) -> dpb.ModnnRequest:
+    def request(self, job: str, i: int, x: np.ndarray) -> dpb.ModnnRequest:
+        """The ModnnRequest of participant ``i`` for frame ``x`` under job id ``job``."""
         plan = self.plan
         levels = []
         for j in range(len(plan.bands)):
@@ -253,7 +254,7 @@ class StagedRunner:
                 client = dev.client(self.index[plan.servers[i]], m)
                 began = time.perf_counter()
                 try:
-                    events = client.deepco.ModnnRun(self._request(job, i, x), timeout=self.timeout)
+                    events = client.deepco.ModnnRun(self.request(job, i, x), timeout=self.timeout)
                     with lock:
                         streams[i] = events
                     first = next(events)
@@ -278,20 +279,30 @@ class StagedRunner:
             t.start()
         for t in threads:
             t.join()
+        sent = time.perf_counter() - start
         results: dict[int, tuple[dpb.ModnnResult, float]] = {}
+
+        def collect(i: int) -> tuple[dpb.ModnnResult, float]:
+            client = dev.client(self.index[plan.servers[i]], plan.antennas[i])
+            try:
+                event = next(streams[i])
+            except grpc.RpcError as exc:
+                raise ServerError(client.address, exc.code(), exc.details() or "") from None
+            except StopIteration:
+                raise ServerError(client.address, grpc.StatusCode.INTERNAL, "job ended without a result") from None
+            return event.modnn_result, time.perf_counter() - start
+
         try:
             if failure:
                 raise failure[0]
-            for i in range(n):
-                client = dev.client(self.index[plan.servers[i]], plan.antennas[i])
-                try:
-                    event = next(streams[i])
-                except grpc.RpcError as exc:
-                    raise ServerError(client.address, exc.code(), exc.details() or "") from None
-                except StopIteration:
-                    raise ServerError(client.address, grpc.StatusCode.INTERNAL, "job ended without a result") \
-                        from None
-                results[i] = (event.modnn_result, time.perf_counter() - start)
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                futures = {pool.submit(collect, i): i for i in range(n)}
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                errors = [f.exception() for f in done if f.exception() is not None]
+                if errors:
+                    raise root_cause(errors)
+                for f, i in futures.items():
+                    results[i] = f.result()
         except BaseException:
             for events in streams.values():
                 events.cancel()
@@ -319,13 +330,16 @@ class StagedRunner:
             output = self.tail.run(None, {self.tail_input: stitched})[0]
             tail_seconds = time.perf_counter() - began
         end = time.perf_counter()
-        timing: dict[str, Any] = {"latency": end - start, "collected": collected - start, "tail": tail_seconds,
-                                  "servers": []}
+        timing: dict[str, Any] = {"latency": end - start, "sent": sent, "collected": collected - start,
+                                  "tail": tail_seconds, "servers": []}
         for i in range(n):
             r, finish = results[i]
-            timing["servers"].append({"name": plan.servers[i], "antenna": plan.antennas[i],
-                                      "sent": sent_at.get(i, 0.0), "finish": finish, "compute": r.compute_seconds,
-                                      "exchange_wait": r.exchange_wait_seconds, "queue": r.queue_seconds})
+            timing["servers"].append({
+                "name": plan.servers[i], "antenna": plan.antennas[i], "rows": list(plan.windows[0][i]),
+                "received": sent_at.get(i, 0.0), "finish": finish, "compute": r.compute_seconds,
+                "exchange_wait": r.exchange_wait_seconds, "queue": r.queue_seconds,
+                "messages_received": r.messages_received, "messages_sent": r.messages_sent,
+                "bytes_received": r.bytes_received, "bytes_sent": r.bytes_sent})
         return output, timing
 
     # ---- a stream of frames ---------------------------------------------------------------------------
@@ -408,3 +422,13 @@ class RoundRobinRunner:
         with self._lock:
             k = next(self._next) % len(self.runners)
         return self.runners[k].run_frame(x)
+
+
+def root_cause(errors: list[BaseException]) -> BaseException:
+    """Of several servers' failures, the one that names the cause rather than a consequence (a cancelled
+    job, or a peer that stopped waiting because of it)."""
+    def rank(exc: BaseException) -> int:
+        code = getattr(exc, "code", None)
+        return {grpc.StatusCode.CANCELLED: 2, grpc.StatusCode.DEADLINE_EXCEEDED: 1}.get(code, 0)
+
+    return min(errors, key=rank)
