@@ -44,3 +44,17 @@ class Uploads:
             except (UserError, ValueError) as exc:  # gone, refused, or its channel closed: its lease will do
                 problems.append(f"could not unload {name} from {client.address}: {exc}")
         return problems
+
+
+def check_capacity(client: InferenceClient, needed: int) -> None:
+    """Refuse (UserError) before an expensive setup if ``client``'s server has fewer than ``needed`` free
+    model slots (`deepco serve --max-models`, from ServerMetadata; models this client can see count as taken,
+    so under mutual TLS other identities' models are not counted and the load itself may still be refused)."""
+    limit = client.server_metadata().get("deepco_max_models")
+    if limit is None:
+        return
+    loaded = client.loaded_models()
+    if len(loaded) + needed > int(limit):
+        raise UserError(f"server {client.address} has {len(loaded)} of its {limit} model slots taken and this "
+                        f"device needs {needed}; unload some (`deepco models --cluster FILE --all`) or start it "
+                        "with a larger --max-models")

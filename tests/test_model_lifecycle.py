@@ -133,3 +133,17 @@ def test_models_command_lists_and_clears(servers, setup) -> None:
     everything = deepco("models", "--cluster", str(cluster), "--all")
     assert everything.returncode == 0, everything.stderr
     assert _loaded(servers) == [[], []]
+
+
+def test_capacity_check_before_setup(servers) -> None:
+    from deepco.errors import UserError
+    from device.lifecycle import check_capacity
+
+    with InferenceClient(servers[0].address) as c:
+        check_capacity(c, 8)  # `deepco serve`'s default --max-models 8, none loaded
+        c.load_model(conv_model(), "occupant")
+        try:
+            with pytest.raises(UserError, match="1 of its 8 model slots taken"):
+                check_capacity(c, 8)
+        finally:
+            c.unload_model("occupant")
