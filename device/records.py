@@ -69,14 +69,18 @@ class FrameResult:
     stitch: float = 0.0
     tail: float = 0.0
     servers: list[ServerTiming] = field(default_factory=list)
+    staged: dict | None = None  # a staged plan's timeline (device.staged: sent, collected, tail, per server)
 
     def log_record(self, predicted: float) -> dict:
         """The --json-log line of this frame."""
-        return {"frame": self.index, "latency": self.latency, "predicted": predicted, "error": self.error,
-                "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
-                "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
-                             "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
-                             "finish": s.finish, "recovered_from": s.recovered_from} for s in self.servers]}
+        record = {"frame": self.index, "latency": self.latency, "predicted": predicted, "error": self.error,
+                  "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
+                  "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
+                               "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
+                               "finish": s.finish, "recovered_from": s.recovered_from} for s in self.servers]}
+        if self.staged is not None:
+            record["staged"] = self.staged
+        return record
 
 
 @dataclass

@@ -363,6 +363,7 @@ class StagedRunner:
                     result.error = None  # an earlier try's failure was recovered from
                     result.latency = time.perf_counter() - began
                     result.tail = timing.get("tail", 0.0)
+                    result.staged = timing
                     return result
                 except ServerError as exc:
                     failed = self._server_of(exc.address)
