@@ -35,7 +35,6 @@ from device.session import Device
 
 WARMUP_FRAMES = 2
 MODNN = ("modnn-sa", "modnn-ma")
-STAGED = ("local", "offload", "auto", "auto-throughput")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
 
@@ -83,16 +82,6 @@ class Runner:
         elif name in ROW_ALGORITHMS:
             self.impl = device.plan_for(name)
             self.predicted, self.predicted_fps, self.plan = self.impl.frame_time, None, None
-        elif name == "round-robin":
-            from device.staged import RoundRobinRunner
-
-            self.impl = RoundRobinRunner(device, objective_plans["planner"])
-            self.predicted = self.impl.predicted
-            from deepco.planning.staged import round_robin_fps
-
-            planner = objective_plans["planner"]
-            self.predicted_fps = round_robin_fps(planner.costs, planner.rates(), planner.servers())
-            self.plan = None
         else:
             from device.staged import StagedRunner
 
@@ -144,7 +133,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         planner = StagedPlanner(device)
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
-                 "auto": auto, "auto-throughput": planner.best("throughput")}
+                 "round-robin": planner.named("round-robin"), "auto": auto,
+                 "auto-throughput": planner.best("throughput")}
         for name in ("auto", "auto-throughput"):
             if name in algorithms:
                 log(f"{name} plan: {plans[name].describe()} (predicted {plans[name].predicted * 1e3:.1f} ms, "
@@ -173,7 +163,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         fps: dict[str, float] = {}
         if args.fps_frames > 0:
             for a in tqdm(algorithms, desc="throughput (each pipelined)", file=sys.stderr):
-                depth = max(args.depth, len(cluster.servers)) if a == "round-robin" else args.depth
+                plan = runners[a].plan
+                round_robin = plan is not None and plan.kind == "round-robin"  # one frame per server in flight
+                depth = max(args.depth, len(cluster.servers)) if round_robin else args.depth
                 fps[a], outputs = runners[a].throughput(px, max(args.fps_frames, 2 * depth), depth)
                 for output in outputs:
                     check(a, output)

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             latencies = []
             if staged:
-                results = runner.run_frames(frames(), depth=args.depth,
+                depth = max(args.depth, len(plan.servers)) if plan.kind == "round-robin" else args.depth
+                results = runner.run_frames(frames(), depth=depth,
                                             replan=lambda down: planner.best(args.objective, exclude=down))
             else:
                 results = dev.run(frames())

@@ -93,6 +93,10 @@ class StagedPlanner:
             return next(p for p in self.plans() if p.kind == "local")
         if name == "offload":
             return best_offload(self.costs, self.rates(), self.servers())
+        if name == "round-robin":
+            from deepco.planning.staged import round_robin_plan
+
+            return round_robin_plan(self.costs, self.rates(), self.servers())
         if name == "auto":
             return self.best()
         raise UserError(f"unknown staged plan {name!r}")
@@ -171,6 +175,14 @@ class StagedRunner:
             self.whole_name = self._upload(plan.servers[0], dev.model.SerializeToString())
             self.whole_input = dev.model.graph.input[0].name
             return
+        if plan.kind == "round-robin":
+            from deepco.planning.staged import offload_plan_on
+
+            self.turns = [StagedRunner(dev, offload_plan_on(s, m), timeout=self.timeout, log=self.log)
+                          for s, m in zip(plan.servers, plan.antennas, strict=True)]
+            self._next = itertools.count()
+            self._turn_lock = threading.Lock()
+            return
         segments = p.segments(plan.levels[-1], models=True, through=plan.levels[:-1])
         data = [seg.model.SerializeToString() for seg in segments]
         self.segment_names = []
@@ -205,6 +217,10 @@ class StagedRunner:
             pause = min(2 * pause, 0.5)
 
     def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        if self.plan.kind == "round-robin":
+            with self._turn_lock:
+                turn = self.turns[next(self._next) % len(self.turns)]
+            return turn._run_frame(x)
         start = time.perf_counter()
         if self.plan.kind == "local":
             output = self.whole.run(None, {self.whole_input: x})[0]
@@ -403,26 +419,6 @@ class StagedRunner:
         cluster = self.device.cluster
         return next((s.name for s in cluster.servers for m in range(len(cluster.device.antennas))
                      if cluster.address_on(s, m) == address), None)
-
-
-class RoundRobinRunner:
-    """Whole frames dealt to the servers in turn (frame-level parallelism): each frame is an offload."""
-
-    def __init__(self, device: Device, planner: StagedPlanner):
-        from deepco.planning.staged import offload_plan
-
-        self.runners = [StagedRunner(device, offload_plan(planner.costs, planner.rates(), s), log=device.log)
-                        for s in planner.servers()]
-        self._next = itertools.count()
-        self._lock = threading.Lock()
-        self.predicted = sum(r.predicted for r in self.runners) / len(self.runners)
-        self.plan = self.runners[0].plan
-
-    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        """The next server in turn runs the whole frame."""
-        with self._lock:
-            k = next(self._next) % len(self.runners)
-        return self.runners[k].run_frame(x)
 
 
 def root_cause(errors: list[BaseException]) -> BaseException:

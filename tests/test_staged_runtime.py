@@ -15,7 +15,7 @@ from deepco.cluster import parse_cluster
 from deepco.planning.staged import split_plan
 from device.preprocess import normalise
 from device.session import Device
-from device.staged import RoundRobinRunner, StagedPlanner, StagedRunner
+from device.staged import StagedPlanner, StagedRunner
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_local_offload_round_robin_and_auto_are_exact(resnet):
     planner = StagedPlanner(resnet)
     for name in ("local", "offload", "auto"):
         check(resnet, StagedRunner(resnet, planner.named(name)), pixels(97, 131, 3))
-    rr = RoundRobinRunner(resnet, planner)
+    rr = StagedRunner(resnet, planner.named("round-robin"))
     for seed in range(3):  # one frame on each server
         check(resnet, rr, pixels(97, 131, seed))
 

@@ -65,7 +65,7 @@ class StagedPlan:
     """One frame's execution plan (see the module doc). Row tables are per level, then per participant."""
 
     algorithm: str
-    kind: str  # "local" | "offload" | "split"
+    kind: str  # "local" | "offload" | "split" | "round-robin" (whole frames dealt to ``servers`` in turn)
     servers: list[str] = field(default_factory=list)  # participants, band order
     antennas: list[int] = field(default_factory=list)  # antenna of each participant
     order: list[int] = field(default_factory=list)  # position of each participant in its antenna's sends
@@ -96,6 +96,8 @@ class StagedPlan:
             return f"{self.algorithm}: the whole model on the device"
         if self.kind == "offload":
             return f"{self.algorithm}: the whole model on {self.servers[0]} (antenna {self.antennas[0]})"
+        if self.kind == "round-robin":
+            return f"{self.algorithm}: whole frames dealt in turn to {', '.join(self.servers)}"
         stages = " | ".join(self.levels)
         where = f"tail on {self.tail}" if self.tail else "tail on the device"
         how = "lookahead" if self.lookahead else "bands exchanged from the image on"
@@ -205,6 +207,10 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     if plan.kind == "local":
         compute = costs.total_flops / rates.device_flops_per_second
         return {"frame": compute, "device_compute": compute}
+    if plan.kind == "round-robin":  # a frame is an offload to one of the servers: the mean of theirs
+        frames = [predict(offload_plan_on(s, m), costs, rates)["frame"]
+                  for s, m in zip(plan.servers, plan.antennas, strict=True)]
+        return {"frame": sum(frames) / len(frames), "per_server": frames}
     if plan.kind == "offload":
         name, m = plan.servers[0], plan.antennas[0]
         arrive = _send_schedule(plan, [costs.input_bytes], rates)[0]
@@ -259,6 +265,8 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
     bw = rates.antenna_bytes_per_second
     if plan.kind == "local":
         return rates.device_flops_per_second / costs.total_flops
+    if plan.kind == "round-robin":
+        return round_robin_fps(costs, rates, plan.servers)
     if plan.kind == "offload":
         s, m = plan.servers[0], plan.antennas[0]
         busy["device"] = costs.input_bytes * rates.device_seconds_per_byte
@@ -319,10 +327,25 @@ def local_plan(costs: CostModel, rates: Rates) -> StagedPlan:
     return _finish(plan, costs, rates)
 
 
+def offload_plan_on(server: str, antenna: int) -> StagedPlan:
+    """The whole model on ``server`` over ``antenna`` (not yet predicted)."""
+    return StagedPlan("offload", "offload", servers=[server], antennas=[antenna], order=[0])
+
+
+def _fastest_antenna(rates: Rates) -> int:
+    return max(range(len(rates.antenna_bytes_per_second)), key=lambda m: rates.antenna_bytes_per_second[m])
+
+
 def offload_plan(costs: CostModel, rates: Rates, server: str) -> StagedPlan:
     """The whole model on ``server``, over the fastest antenna."""
-    m = max(range(len(rates.antenna_bytes_per_second)), key=lambda m: rates.antenna_bytes_per_second[m])
-    plan = StagedPlan("offload", "offload", servers=[server], antennas=[m], order=[0])
+    return _finish(offload_plan_on(server, _fastest_antenna(rates)), costs, rates)
+
+
+def round_robin_plan(costs: CostModel, rates: Rates, servers: Sequence[str]) -> StagedPlan:
+    """Whole frames dealt to ``servers`` in turn, each over an antenna of its own where there are enough."""
+    antennas = [k % len(rates.antenna_bytes_per_second) for k in range(len(servers))]
+    plan = StagedPlan("round-robin", "round-robin", servers=list(servers), antennas=antennas,
+                      order=[0] * len(servers))
     return _finish(plan, costs, rates)
 
 
@@ -450,6 +473,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
     if shapes == "all":
         candidates.append(local_plan(costs, rates))
         candidates += [offload_plan(costs, rates, s) for s in servers]
+        if objective == "throughput" and len(servers) > 1:  # frame-level parallelism only pays with frames in flight
+            candidates.append(round_robin_plan(costs, rates, servers))
     ordered = _participants(rates, servers)
     for k in range(1, len(ordered) + 1):
         chosen = ordered[:k]
@@ -472,6 +497,7 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
         raise PlanningError("no plan fits: every split needs more rows than a level has")
     for plan in candidates:
         plan.algorithm = algorithm if plan.kind == "split" else plan.algorithm
+    candidates = [p for p in candidates if p.kind != "round-robin"] if objective == "latency" else candidates
     if objective == "latency":
         candidates.sort(key=lambda p: p.predicted)
     else:

@@ -1,0 +1,84 @@
+"""The staged planner's cost model and search, checked against hand-computed values, and the benchmark's
+physical bound."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deepco.partition import Partitioner, load_model
+from deepco.partition.pixels import with_pixel_input
+from deepco.planning.staged import (
+    CostModel,
+    Rates,
+    local_plan,
+    offload_plan,
+    round_robin_fps,
+    round_robin_plan,
+    search,
+    split_plan,
+    throughput,
+)
+from device.benchmark import bound
+
+H, W = 64, 96
+
+
+@pytest.fixture(scope="module")
+def costs() -> CostModel:
+    model = with_pixel_input(load_model("resnet18", H, W), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    return CostModel(Partitioner(model, H, W), 3 * H * W, 4000)
+
+
+def rates(device: float = 1e9, servers: tuple[float, ...] = (4e9, 2e9), bw: float = 1e6, **kw) -> Rates:
+    return Rates({f"s{k}": r for k, r in enumerate(servers)}, [bw, bw], 0.001, device, 1e8, 0.0005, **kw)
+
+
+def test_local_and_offload_are_the_closed_forms(costs):
+    r = rates(device_seconds_per_byte=1e-9, step_overhead=0.002)
+    assert local_plan(costs, r).predicted == pytest.approx(costs.total_flops / 1e9)
+    # marshal, send at 1 MB/s, one request overhead, compute on s0, one step, the output back
+    want = (3 * H * W * 1e-9 + 3 * H * W / 1e6 + 0.001 + costs.total_flops / 4e9 + 0.002
+            + 4000 / 1e6 + 4000 * 1e-9)
+    assert offload_plan(costs, r, "s0").predicted == pytest.approx(want)
+
+
+def test_round_robin_fps_is_set_by_the_slowest_server_or_the_links(costs):
+    r = rates(bw=1e12)
+    assert round_robin_fps(costs, r, ["s0", "s1"]) == pytest.approx(2 * 2e9 / costs.total_flops)
+    slow_links = rates(bw=1e3)
+    assert round_robin_fps(costs, slow_links, ["s0", "s1"]) == pytest.approx(2e3 / (3 * H * W))
+    plan = round_robin_plan(costs, r, ["s0", "s1"])
+    assert throughput(plan, costs, r) == pytest.approx(round_robin_fps(costs, r, ["s0", "s1"]))
+
+
+def test_search_picks_local_when_the_network_is_hopeless_and_splits_when_it_is_not(costs):
+    hopeless = rates(bw=1e2)  # 100 B/s: sending a frame takes minutes
+    assert search(costs, hopeless, ["s0", "s1"])[0].kind == "local"
+    fast = rates(device=1e8, bw=1e9)  # a weak device, fast links, two strong servers
+    best = search(costs, fast, ["s0", "s1"])[0]
+    assert best.kind == "split" and len(best.servers) == 2
+    ranked = search(costs, fast, ["s0", "s1"])
+    assert [p.predicted for p in ranked[:5]] == sorted(p.predicted for p in ranked[:5])
+
+
+def test_a_split_plans_tables_tile_every_level_and_the_device_sends_windows(costs):
+    r = rates(device=1e8, bw=1e9)
+    plan = split_plan(costs, r, ["s0", "s1"], ["layer1", "layer3"], True, "s0")
+    for level, h in zip(plan.bands, [H] + [costs.height_of(n) for n in plan.levels], strict=True):
+        assert level[0][0] == 0 and level[-1][1] == h and level[0][1] == level[1][0]
+    assert plan.windows[0] == plan.windows[1]  # lookahead: the first stage's windows, halo included
+    assert plan.windows[1][0][1] > plan.bands[0][0][1]  # the top band's window reaches below its band
+    without = split_plan(costs, r, ["s0", "s1"], ["layer1", "layer3"], False, None)
+    assert without.windows[0] == without.bands[0]  # MoDNN's way: disjoint bands, the halo is exchanged
+
+
+def test_the_physical_bound_is_the_formula():
+    device = SimpleNamespace(
+        height=10, width=20, partitioner=SimpleNamespace(graph=SimpleNamespace(itemsize=1), total_flops=6e9),
+        measured=SimpleNamespace(antenna_bytes_per_second=[100.0, 200.0], server_flops_per_second={"a": 1e9},
+                                 device_flops_per_second=2e9))
+    b = bound(device)
+    assert b["latency"] == pytest.approx(max(600 / 300.0, 6e9 / 3e9))
+    assert b["fps"] == pytest.approx(min(300.0 / 600, 3e9 / 6e9))
