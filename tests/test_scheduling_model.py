@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepco.cluster import ClusterError, parse_cluster
+from deepco.errors import UserError
 from deepco.scheduling import Allocation, Job, SimCluster, SimulationError, bind_delays, simulate
 from deepco.scheduling.policies.base import Policy
 
@@ -140,3 +141,16 @@ def test_preemptions_count_lost_workers_of_unfinished_jobs():
     assert r.preemptions == 2
     # rate 1 per worker: done after slots 0..7 = 2, 3, 3, 5, 7, 9, 11, 12 mini-batches -> c = 8
     assert r.jobs[0].completion == 8
+
+
+def test_device_is_optional_only_for_scheduling_and_a_finite_cloud_needs_ps_slots():
+    data = {"sites": [{"name": "cloud", "kind": "cloud", "upload_delay": 1}],
+            "servers": [{"name": "c", "capacity": 1.0, "site": "cloud", "worker_slots": 4}]}
+    with pytest.raises(ClusterError, match=r"x.toml: key 'device': missing"):
+        parse_cluster(data, "x.toml")  # the inference commands' default
+    cl = parse_cluster(data, "x.toml", require_device=False)
+    with pytest.raises(UserError, match=r"x.toml: key 'servers.c.ps_slots': a cloud with finite worker_slots"):
+        SimCluster.from_cluster(cl)
+    data["servers"][0]["ps_slots"] = 2
+    sim = SimCluster.from_cluster(parse_cluster(data, "x.toml", require_device=False))
+    assert sim.finite_cloud and (sim.cloud.worker_slots, sim.cloud.ps_slots) == (4, 2)
