@@ -37,7 +37,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError
 from deepco.wire.rows import decode_rows, encode_rows
 from device.records import FrameResult
-from device.session import BUSY_BACKOFF, Device, _session
+from device.session import BUSY_BACKOFF, PROBE_SECONDS, Device, _session
 
 MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
 
@@ -367,10 +367,33 @@ class StagedRunner:
         down: set[str] = set()
         lock = threading.Lock()
         runner = [self]
+        probed = [time.monotonic()]
+
+        def rejoin() -> None:
+            """Every PROBE_SECONDS, ask the down servers whether they are back; replan with those that are
+            (a restarted server gets the plan's models uploaded again by the new runner)."""
+            with lock:
+                if not down or replan is None or time.monotonic() - probed[0] < PROBE_SECONDS:
+                    return
+                probed[0] = time.monotonic()
+                candidates = sorted(down)
+            back = [s for s in candidates if self._ready(s)]
+            if not back:
+                return
+            with lock:
+                down.difference_update(back)
+                try:
+                    runner[0] = StagedRunner(self.device, replan(set(down)), log=self.log)
+                except (UserError, ServerError) as err:
+                    down.update(back)
+                    self.log(f"server(s) {', '.join(back)} answer again but could not rejoin: {err}")
+                    return
+            self.log(f"server(s) {', '.join(back)} back; replanned: {runner[0].plan.describe()}")
 
         def one(index: int, x: np.ndarray) -> FrameResult:
             result = FrameResult(index)
             began = time.perf_counter()
+            rejoin()
             for _ in range(MAX_RETRIES + 1):
                 with lock:
                     current = runner[0]
@@ -413,6 +436,12 @@ class StagedRunner:
                     yield pending.get().result()
             while not pending.empty():
                 yield pending.get().result()
+
+    def _ready(self, server: str) -> bool:
+        try:
+            return self.device.client(self.index[server], 0).server_ready(timeout=1.0)
+        except ServerError:
+            return False
 
     def _server_of(self, address: str) -> str | None:
         """The server listening at ``address`` (on any antenna)."""

@@ -117,3 +117,28 @@ def test_run_frames_survives_a_failing_server(resnet, servers):
         assert r.error is None, r.error
         want = reference(resnet, px)
         assert float(np.abs(r.output - want).max()) / float(np.abs(want).max()) < 1e-4
+
+
+def test_a_server_killed_mid_run_loses_no_frame_under_a_multi_stage_plan(servers):
+    """Three servers, a two-stage plan with exchanges and the tail on a server; one server is killed after
+    the third frame: every frame still equals the whole model, the others carry on without it."""
+    with serve_process("--threads", "1", "--max-models", "64") as doomed:
+        with make_device([servers[0], servers[1], doomed], "resnet18", 97, 131) as dev:
+            planner = StagedPlanner(dev)
+            plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], ["layer1", "layer3"], True, "s0")
+            runner = StagedRunner(dev, plan)
+            frames = [pixels(97, 131, k) for k in range(8)]
+
+            def source():
+                for k, px in enumerate(frames):
+                    if k == 3:
+                        doomed.proc.kill()
+                        doomed.proc.wait()
+                    yield px
+
+            results = list(runner.run_frames(source(), depth=2, replan=lambda down: planner.best(exclude=down)))
+    assert [r.index for r in results] == list(range(8))
+    for r, px in zip(results, frames, strict=True):
+        assert r.error is None, r.error
+        want = reference(dev, px)
+        assert float(np.abs(r.output - want).max()) / float(np.abs(want).max()) < 1e-4
