@@ -31,8 +31,9 @@ import grpc
 import numpy as np
 
 from deepco.errors import UserError
+from deepco.planning.modnn import NOT_A_SERVER
 from deepco.planning.plan import PlanningError
-from deepco.planning.staged import CostModel, StagedPlan, best_offload, search, throughput
+from deepco.planning.staged import DEVICE, CostModel, StagedPlan, best_offload, search, throughput
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError
 from deepco.wire.rows import decode_rows, encode_rows
@@ -187,7 +188,11 @@ class StagedRunner:
         data = [seg.model.SerializeToString() for seg in segments]
         self.segment_names = []
         for server in plan.servers:
-            self.segment_names = [self._upload(server, d) for d in data]
+            if server != DEVICE:
+                self.segment_names = [self._upload(server, d) for d in data]
+        if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
+            self.own = _session(data[0])
+            self.own_input = self.own.get_inputs()[0].name
         _, tail = p.split(plan.levels[-1])
         tail_bytes = tail.SerializeToString()
         self.tail_shape = [d.dim_value or 1 for d in tail.graph.output[0].type.tensor_type.shape.dim]  # batch 1
@@ -197,7 +202,8 @@ class StagedRunner:
             self.tail_name = ""
         else:
             self.tail_name = self._upload(plan.tail, tail_bytes)
-        self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
+        self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
+                      for s in plan.servers]
         self.row_bytes = 3 * dev.width * p.graph.itemsize
 
     # ---- one frame ------------------------------------------------------------------------------------
@@ -262,7 +268,8 @@ class StagedRunner:
         failure: list[ServerError] = []
         lock = threading.Lock()
         by_antenna: dict[int, list[int]] = {}
-        for i in sorted(range(n), key=lambda i: plan.order[i]):
+        remote = [i for i in range(n) if plan.servers[i] != DEVICE]
+        for i in sorted(remote, key=lambda i: plan.order[i]):
             by_antenna.setdefault(plan.antennas[i], []).append(i)
 
         def sender(m: int) -> None:
@@ -297,6 +304,15 @@ class StagedRunner:
             t.join()
         sent = time.perf_counter() - start
         results: dict[int, tuple[dpb.ModnnResult, float]] = {}
+        own_band = None
+        if DEVICE in plan.servers and not failure:  # the device's band, while the servers compute theirs
+            i = plan.servers.index(DEVICE)
+            (lo, hi), (a, b) = plan.windows[1][i], plan.bands[1][i]
+            began = time.perf_counter()
+            y = self.own.run(None, {self.own_input: np.ascontiguousarray(x[:, :, lo:hi, :])})[0]
+            crop = plan.crops[1][i]
+            own_band = y[:, :, crop:crop + b - a]
+            results[i] = (dpb.ModnnResult(compute_seconds=time.perf_counter() - began), time.perf_counter() - start)
 
         def collect(i: int) -> tuple[dpb.ModnnResult, float]:
             client = dev.client(self.index[plan.servers[i]], plan.antennas[i])
@@ -311,8 +327,8 @@ class StagedRunner:
         try:
             if failure:
                 raise failure[0]
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                futures = {pool.submit(collect, i): i for i in range(n)}
+            with ThreadPoolExecutor(max_workers=len(remote)) as pool:
+                futures = {pool.submit(collect, i): i for i in remote}
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 errors = [f.exception() for f in done if f.exception() is not None]
                 if errors:
@@ -335,6 +351,9 @@ class StagedRunner:
         else:
             pieces = []
             for i in range(n):
+                if plan.servers[i] == DEVICE:
+                    pieces.append(own_band)
+                    continue
                 array, row = decode_rows(results[i][0].output, f"band of {plan.servers[i]}")
                 a, b = plan.bands[-1][i]
                 if row != a or array.shape[2] != b - a:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from deepco.planning.modnn import check_tables, receives, sends
+from deepco.planning.modnn import NOT_A_SERVER, check_tables, receives, sends
 from deepco.planning.plan import PlanningError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
@@ -274,7 +274,7 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
     # This server dials its peers with its own token or client certificate: a client must not be able to
     # point those credentials at an address of its choosing.
     for k, peer in enumerate(peers):
-        if k != me and not peer_allowed(peer, allowed_peers):
+        if k != me and peer != NOT_A_SERVER and not peer_allowed(peer, allowed_peers):
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"ModnnRun: peer {peer[:80]!r} is not an allowed peer of this server; start it "
                                "with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
@@ -323,8 +323,15 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
             tail = registry.get(request.tail_model, owner=owner)
             if len(tail.inputs) != 1:
                 raise invalid(f"ModnnRun: tail model {tail.name!r} must have one input")
-    return Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
-               tail)
+    result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
+                 tail)
+    talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
+    if gather_to is not None:
+        talks_to |= {gather_to} if gather_to != me else set(range(len(peers))) - {me}
+    if any(peers[k] == NOT_A_SERVER for k in talks_to):
+        raise invalid(f"ModnnRun: the tables make this server exchange rows with a participant that is not a "
+                      f"server ({NOT_A_SERVER!r}: the device)")
+    return result
 
 
 class ModnnService:

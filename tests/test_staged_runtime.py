@@ -12,7 +12,7 @@ import pytest
 from test_server_support import serve_process
 
 from deepco.cluster import parse_cluster
-from deepco.planning.staged import split_plan
+from deepco.planning.staged import DEVICE, split_plan
 from device.preprocess import normalise
 from device.session import Device
 from device.staged import StagedPlanner, StagedRunner
@@ -63,6 +63,8 @@ SHAPES = [  # participants, levels, lookahead, tail on the first participant
     (["s1", "s2"], ["layer2", "layer3", "layer4"], True, True),  # ... to the last cut
     (["s2"], ["layer3"], True, True),  # one participant: offload in stages
     (["s0", "s1", "s2"], ["relu", "layer4"], False, False),  # exchange of pixels (uint8) at level 0
+    (["s0", "s1", DEVICE], ["layer2"], True, False),  # the device computes a band of its own
+    ([DEVICE, "s2"], ["layer3.0"], True, False),  # ... the top one
 ]
 
 
@@ -122,21 +124,21 @@ def test_run_frames_survives_a_failing_server(resnet, servers):
 def test_a_server_killed_mid_run_loses_no_frame_under_a_multi_stage_plan(servers):
     """Three servers, a two-stage plan with exchanges and the tail on a server; one server is killed after
     the third frame: every frame still equals the whole model, the others carry on without it."""
-    with serve_process("--threads", "1", "--max-models", "64") as doomed:
-        with make_device([servers[0], servers[1], doomed], "resnet18", 97, 131) as dev:
-            planner = StagedPlanner(dev)
-            plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], ["layer1", "layer3"], True, "s0")
-            runner = StagedRunner(dev, plan)
-            frames = [pixels(97, 131, k) for k in range(8)]
+    with serve_process("--threads", "1", "--max-models", "64") as doomed, \
+            make_device([servers[0], servers[1], doomed], "resnet18", 97, 131) as dev:
+        planner = StagedPlanner(dev)
+        plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], ["layer1", "layer3"], True, "s0")
+        runner = StagedRunner(dev, plan)
+        frames = [pixels(97, 131, k) for k in range(8)]
 
-            def source():
-                for k, px in enumerate(frames):
-                    if k == 3:
-                        doomed.proc.kill()
-                        doomed.proc.wait()
-                    yield px
+        def source():
+            for k, px in enumerate(frames):
+                if k == 3:
+                    doomed.proc.kill()
+                    doomed.proc.wait()
+                yield px
 
-            results = list(runner.run_frames(source(), depth=2, replan=lambda down: planner.best(exclude=down)))
+        results = list(runner.run_frames(source(), depth=2, replan=lambda down: planner.best(exclude=down)))
     assert [r.index for r in results] == list(range(8))
     for r, px in zip(results, frames, strict=True):
         assert r.error is None, r.error

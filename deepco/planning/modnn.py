@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from deepco.planning.plan import PlanningError
 
 Interval = tuple[int, int]
+NOT_A_SERVER = "-"  # a participant's address in ``peers`` that servers never dial: the device computing a band
 
 
 def ownership(weights: Sequence[float], heights: Sequence[int]) -> list[list[Interval]]:

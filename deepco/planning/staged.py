@@ -35,6 +35,7 @@ from deepco.planning.modnn import receives
 from deepco.planning.plan import PlanningError
 
 Interval = tuple[int, int]
+DEVICE = "@device"  # the device as a participant of a split stage: its band needs no transfer
 MIN_STAGE_FLOPS = 0.01  # a level whose head has less than this share of the model's FLOPs is no stage boundary
 REFINE_STEPS = 12
 
@@ -58,6 +59,10 @@ class Rates:
     def to_dict(self) -> dict:
         """JSON form."""
         return asdict(self)
+
+    def speed(self, participant: str) -> float:
+        """FLOP/s of a participant of a split stage: a server, or the device itself (``DEVICE``)."""
+        return self.device_flops_per_second if participant == DEVICE else self.server_flops_per_second[participant]
 
 
 @dataclass
@@ -101,8 +106,9 @@ class StagedPlan:
         stages = " | ".join(self.levels)
         where = f"tail on {self.tail}" if self.tail else "tail on the device"
         how = "lookahead" if self.lookahead else "bands exchanged from the image on"
-        return (f"{self.algorithm}: split over {', '.join(self.servers)} (antennas "
-                f"{', '.join(map(str, self.antennas))}), stages ending at {stages}, {how}, {where}")
+        who = ", ".join(f"{s} (antenna {m})" if s != DEVICE else "the device" for s, m in
+                        zip(self.servers, self.antennas, strict=True))
+        return (f"{self.algorithm}: split over {who}, stages ending at {stages}, {how}, {where}")
 
 
 class CostModel:
@@ -184,11 +190,16 @@ def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates) -> list
     free = [0.0] * len(rates.antenna_bytes_per_second)
     arrived = [0.0] * len(plan.servers)
     for i in sorted(range(len(plan.servers)), key=lambda i: (plan.order[i], plan.antennas[i])):
+        if plan.servers[i] == DEVICE:
+            continue
         cpu += sizes[i] * rates.device_seconds_per_byte
         m = plan.antennas[i]
         start = max(free[m], cpu)
         free[m] = start + sizes[i] / rates.antenna_bytes_per_second[m]
         arrived[i] = free[m] + rates.request_overhead
+    for i, name in enumerate(plan.servers):  # the device computes its own band once it has sent the others'
+        if name == DEVICE:
+            arrived[i] = cpu
     return arrived
 
 
@@ -219,7 +230,7 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
         return {"frame": arrive + compute + back, "transfer": arrive, "compute": compute, "return": back}
     n = len(plan.servers)
     names: list[str | None] = [None, *plan.levels]
-    speed = [rates.server_flops_per_second[s] for s in plan.servers]
+    speed = [rates.speed(s) for s in plan.servers]
     sizes = [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]]
     arrived = _send_schedule(plan, sizes, rates)
     done = list(arrived)
@@ -241,10 +252,14 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     if plan.tail is None:
         backs = []
         for i in range(n):
+            if plan.servers[i] == DEVICE:
+                backs.append(done[i])
+                continue
             nbytes = (plan.bands[-1][i][1] - plan.bands[-1][i][0]) * row
             backs.append(done[i] + rates.request_overhead
                          + nbytes / rates.antenna_bytes_per_second[plan.antennas[i]])
-        received = max(backs) + sum((b - a) * row for a, b in plan.bands[-1]) * rates.device_seconds_per_byte
+        received = max(backs) + sum((b - a) * row for (a, b), s in zip(plan.bands[-1], plan.servers, strict=True)
+                                    if s != DEVICE) * rates.device_seconds_per_byte
         tail = tail_flops / rates.device_flops_per_second
         return {"frame": received + tail, "arrived": arrived, "stages": stages, "gathered": received, "tail": tail}
     c = plan.servers.index(plan.tail)
@@ -275,12 +290,15 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
         return 1.0 / max(busy.values())
     names: list[str | None] = [None, *plan.levels]
     for i, s in enumerate(plan.servers):
+        flops = sum(costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
+        if s == DEVICE:
+            busy["device"] += flops / rates.device_flops_per_second
+            continue
         a, b = plan.windows[0][i]
         nbytes = (b - a) * costs.row_bytes(None)
         busy["device"] += nbytes * rates.device_seconds_per_byte
         key = f"antenna {plan.antennas[i]}"
         busy[key] = busy.get(key, 0.0) + nbytes / bw[plan.antennas[i]]
-        flops = sum(costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
         if plan.tail == s:
             flops += costs.tail_flops(plan.levels[-1])
         busy[s] = flops / rates.server_flops_per_second[s]
@@ -312,7 +330,11 @@ def _associate(chosen: Sequence[str], rates: Rates, sizes: Sequence[int]) -> tup
     ends earliest (THREAD's association of a selection, weighted by the bytes each one is sent)."""
     clock = [0.0] * len(rates.antenna_bytes_per_second)
     antennas, order, count = [], [], [0] * len(clock)
-    for i, _ in enumerate(chosen):
+    for i, name in enumerate(chosen):
+        if name == DEVICE:  # sends nothing
+            antennas.append(-1)
+            order.append(-1)
+            continue
         m = min(range(len(clock)), key=lambda m: (clock[m] + sizes[i] / rates.antenna_bytes_per_second[m], m))
         clock[m] += sizes[i] / rates.antenna_bytes_per_second[m]
         antennas.append(m)
@@ -364,7 +386,7 @@ def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Se
                lookahead: bool, tail: str | None, weights: Sequence[float] | None = None,
                algorithm: str = "auto") -> StagedPlan | None:
     """A split plan over ``chosen`` (band order) at ``levels``; None where a level has too few rows."""
-    weights = list(weights or [rates.server_flops_per_second[s] for s in chosen])
+    weights = list(weights or [rates.speed(s) for s in chosen])
     try:
         bands, windows, crops = tables(costs, levels, weights, lookahead)
     except PlanningError:
@@ -439,7 +461,7 @@ def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
     """Re-weight the bands so that the participants finish their work together (transfers are staggered,
     so an early receiver can take more rows); keeps the best predicted plan."""
     best = plan
-    weights = [rates.server_flops_per_second[s] for s in plan.servers]
+    weights = [rates.speed(s) for s in plan.servers]
     for _ in range(REFINE_STEPS):
         stages = best.breakdown.get("stages")
         if not stages:
@@ -454,7 +476,7 @@ def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
         arrived = trial_plan.breakdown["arrived"]
         for i, s in enumerate(best.servers):
             w = costs.window(names[0], names[1], *trial_plan.bands[1][i])
-            finish.append(arrived[i] + w.flops / rates.server_flops_per_second[s])
+            finish.append(arrived[i] + w.flops / rates.speed(s))
         mean = sum(finish) / len(finish)
         weights = [w * (mean / f) ** 0.5 for w, f in zip(weights, finish, strict=True)]
         if trial_plan.predicted < best.predicted:
@@ -493,6 +515,12 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
                     plan = split_plan(costs, rates, chosen, levels, lookahead, tail, algorithm=algorithm)
                     if plan is not None:
                         candidates.append(plan)
+                    if shapes == "all" and lookahead and tail is None and len(levels) == 1:
+                        # the device computes a band too (one stage: it exchanges nothing with the servers)
+                        plan = split_plan(costs, rates, [*chosen, DEVICE], levels, lookahead, tail,
+                                          algorithm=algorithm)
+                        if plan is not None:
+                            candidates.append(plan)
     if not candidates:
         raise PlanningError("no plan fits: every split needs more rows than a level has")
     for plan in candidates:
