@@ -37,7 +37,7 @@ from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, as
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
-from device.lifecycle import Uploads
+from device.lifecycle import Uploads, check_capacity
 from device.preprocess import preprocessing_for
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
@@ -140,6 +140,7 @@ class Device:
             cuts = [c for c in cuts if c.head_flops >= 0.01 * p.total_flops] or cuts
         for k in range(len(self.cluster.servers)):
             self.client(k, 0).wait_ready(timeout=10.0)
+            check_capacity(self.client(k, 0), 2)  # the probe head and the plan's first model, before measuring
         x = np.zeros((1, 3, self.height, self.width), np.uint8)
         whole = _session(self.model.SerializeToString())
         self.input_name = whole.get_inputs()[0].name
