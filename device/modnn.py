@@ -37,8 +37,9 @@ from deepco.planning.modnn import ownership as ownership_tables
 from deepco.planning.modnn import receives, sends
 from deepco.planning.rows import Node, abstract_instance, association
 from deepco.wire import deepco_service_pb2 as dpb
-from deepco.wire.client import ServerError, content_name
-from deepco.wire.rows import decode_rows, encode_rows
+from deepco.wire.client import ServerError, WrongAnswer, content_name
+from deepco.wire.rows import encode_rows
+from device.answers import check_rows
 from device.session import Device
 
 ALGORITHMS = ("modnn-sa", "modnn-ma")
@@ -186,6 +187,7 @@ class ModnnRunner:
         calls = {i: _Call(i, m) for m, group in enumerate(self.groups) for i in group}
         lock = threading.Lock()
         failure: list[ServerError] = []
+        crashed: list[BaseException] = []
 
         def sender(m: int) -> None:
             for i in self.groups[m]:
@@ -199,12 +201,15 @@ class ModnnRunner:
                         call.events = events
                     first = next(events)
                     if first.WhichOneof("event") != "received":
-                        raise ServerError(client.address, grpc.StatusCode.INTERNAL, "ModnnRun answered out of order")
+                        raise WrongAnswer(client.address, "ModnnRun answered out of order")
                 except grpc.RpcError as exc:
                     failure.append(ServerError(client.address, exc.code(), exc.details() or ""))
                     return
                 except ServerError as exc:
                     failure.append(exc)
+                    return
+                except BaseException as exc:  # noqa: BLE001 - the device's own failure: run_frame raises it
+                    crashed.append(exc)
                     return
                 if dev.pace:  # as Device.run: hold the antenna for as long as these bytes take at its bandwidth
                     a, b = self.bands[0][i]
@@ -224,6 +229,8 @@ class ModnnRunner:
             except StopIteration:
                 raise ServerError(client.address, grpc.StatusCode.INTERNAL, "ModnnRun ended without a result") \
                     from None
+            if event.WhichOneof("event") != "modnn_result":
+                raise WrongAnswer(client.address, "ModnnRun answered out of order")
             return event.modnn_result, time.perf_counter() - start
 
         senders = [threading.Thread(target=sender, args=(m,), daemon=True) for m, g in enumerate(self.groups) if g]
@@ -234,6 +241,8 @@ class ModnnRunner:
         sent = time.perf_counter() - start
         results: dict[int, tuple[dpb.ModnnResult, float]] = {}
         try:
+            if crashed:
+                raise crashed[0]
             if failure:
                 raise failure[0]
             with ThreadPoolExecutor(max_workers=len(calls)) as pool:
@@ -251,12 +260,10 @@ class ModnnRunner:
         collected = time.perf_counter()
         pieces = []
         for i in range(len(self.rates)):
-            array, row = decode_rows(results[i][0].output, f"band of server {i}")
-            a, b = self.bands[-1][i]
-            if row != a or array.shape[2] != b - a:
-                raise ServerError(dev.client(i, calls[i].antenna).address, grpc.StatusCode.INTERNAL,
-                                  f"returned rows [{row}, {row + array.shape[2]}), expected [{a}, {b})")
-            pieces.append(array)
+            a, b = self.bands[-1][i]  # every band must be exactly its rows of the cut tensor
+            pieces.append(check_rows(results[i][0].output, a, (1, self.cut.channels, b - a, self.cut.width),
+                                     dev.piece_dtype, f"the band of {dev.cluster.servers[i].name}",
+                                     dev.client(i, calls[i].antenna).address))
         stitched = np.ascontiguousarray(np.concatenate(pieces, axis=2))
         mid = time.perf_counter()
         output = dev.tail.run(None, {dev.tail_input: stitched})[0]

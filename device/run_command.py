@@ -66,11 +66,11 @@ def run(args: argparse.Namespace) -> int:
     height, width = parse_size(args.input_size)
     if args.frames is not None and args.frames <= 0:
         raise UserError(f"--frames must be positive, got {args.frames}")
+    give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     if args.pace:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
-    give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = preprocessing_for(args.model)
     inputs: list[np.ndarray] = []
