@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 
+import grpc
+
 from deepco.errors import UserError
 from deepco.wire.client import InferenceClient, content_name
 
@@ -31,18 +33,25 @@ class Uploads:
             self._held.append((client, name))
         return name
 
-    def release(self, names: set[str] | None = None) -> list[str]:
+    def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references
-        stay; returns one line per model that could not be unloaded (its server's lease will)."""
+        stay; returns one line per model that could not be unloaded (its server's lease will). Servers at the
+        addresses in ``skip`` (known down), and a server once it did not answer, are not asked."""
         with self._lock:
             held = [(c, n) for c, n in self._held if names is None or n in names]
             self._held = [(c, n) for c, n in self._held if names is not None and n not in names]
         problems = []
+        silent = set(skip)  # not asked (again): a frozen server would cost a timeout per model
         for client, name in reversed(held):
+            if client.address in silent:
+                problems.append(f"did not unload {name} from {client.address}: the server is down")
+                continue
             try:
                 client.unload_model(name, timeout=UNLOAD_TIMEOUT)
             except (UserError, ValueError) as exc:  # gone, refused, or its channel closed: its lease will do
                 problems.append(f"could not unload {name} from {client.address}: {exc}")
+                if getattr(exc, "code", None) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    silent.add(client.address)
         return problems
 
 

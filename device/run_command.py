@@ -12,6 +12,7 @@ import numpy as np
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
+from device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -48,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
+    p.add_argument("--give-up-after", type=float, default=GIVE_UP_AFTER, metavar="SECONDS",
+                   help=f"stop (exit 2) when frames have been in flight this long and none succeeded, e.g. with "
+                        f"every server frozen (default {GIVE_UP_AFTER:g}; 0: never)")
+    p.add_argument("--max-failed-frames", type=int, default=MAX_FAILED_FRAMES, metavar="N",
+                   help=f"stop (exit 2) after N failed frames in a row (default {MAX_FAILED_FRAMES}; 0: never)")
     security.add_arguments(p)
 
 
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     height, width = parse_size(args.input_size)
     if args.frames is not None and args.frames <= 0:
         raise UserError(f"--frames must be positive, got {args.frames}")
+    give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     if args.pace:
@@ -101,9 +108,10 @@ def run(args: argparse.Namespace) -> int:
             if staged:
                 depth = max(args.depth, len(plan.servers)) if plan.kind == "round-robin" else args.depth
                 results = runner.run_frames(frames(), depth=depth,
-                                            replan=lambda down: planner.best(args.objective, exclude=down))
+                                            replan=lambda down: planner.best(args.objective, exclude=down),
+                                            give_up=give_up)
             else:
-                results = dev.run(frames())
+                results = dev.run(frames(), give_up=give_up)
             for result in results:
                 if log_file:
                     log_file.write(json.dumps(result.log_record(predicted)) + "\n")

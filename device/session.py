@@ -35,8 +35,10 @@ from deepco.partition.pixels import with_pixel_input
 from deepco.planning import make_plan
 from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
 from deepco.planning.thread import association_steps
-from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.client import InferenceClient, ServerError, WrongAnswer
 from deepco.wire.security import ChannelSecurity
+from device.answers import check_tensor, only_output, value_dtype
+from device.giveup import TICK, GiveUp
 from device.lifecycle import Uploads, check_capacity
 from device.preprocess import preprocessing_for
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
@@ -96,6 +98,7 @@ class Device:
         self.clients: dict[tuple[str, int], InferenceClient] = {}
         self.uploads = Uploads()  # unloaded on close()
         self.down: set[str] = set()  # servers marked failed, probed until they answer again
+        self.suspect: set[str] = set()  # servers that answered wrongly: down for good, never probed back
         self.events: list[dict] = []  # down / up, with times (perf_counter)
         self._health = threading.RLock()
         self.drift_threshold = DRIFT_THRESHOLD
@@ -115,8 +118,10 @@ class Device:
         return self.clients[key]
 
     def close(self) -> None:
-        """Unload what this device uploaded, then close every channel."""
-        for problem in self.uploads.release():
+        """Unload what this device uploaded (not from servers marked down), then close every channel."""
+        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
+        down = {self.client(index[name], 0).address for name in self.down if name in index}
+        for problem in self.uploads.release(skip=down):
             self.log(f"warning: {problem}")
         for c in self.clients.values():
             c.close()
@@ -237,6 +242,7 @@ class Device:
         assert self.cut is not None
         head, tail = self.partitioner.split(self.cut)
         self.head_input = head.graph.input[0].name
+        self.piece_dtype = value_dtype(head.graph.output[0])  # what every slice's answer must be
         data = self._head_bytes = head.SerializeToString()
         # Content-addressed: a server runs this name only with these bytes (see device.lifecycle).
         self._head_base = f"{self.tag}-{self.cut.name}-head"
@@ -245,6 +251,7 @@ class Device:
         self.tail = _session(tail.SerializeToString())
         self.tail_input = self.tail.get_inputs()[0].name
         self._costs: dict[tuple[int, int], object] = {}
+        self._shapes: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def slice_cost(self, start: int, stop: int):
         """The partitioner's SliceCost of cut rows [start, stop) (cached)."""
@@ -252,6 +259,20 @@ class Device:
         if key not in self._costs:
             self._costs[key] = self.partitioner.cost(self.cut, start, stop)
         return self._costs[key]
+
+    def piece_shape(self, start: int, stop: int) -> tuple[int, int, int, int]:
+        """The shape of a server's answer for cut rows [start, stop) (the halo rows around them included)."""
+        key = (start, stop)
+        if key not in self._shapes:
+            self._shapes[key] = (1, self.cut.channels, self.partitioner.computed_rows(self.cut, start, stop),
+                                 self.cut.width)
+        return self._shapes[key]
+
+    def check_piece(self, outputs: dict[str, np.ndarray], s, address: str) -> np.ndarray:
+        """The answer for slice ``s`` if it fits the plan (one output, its shape and data type), else WrongAnswer."""
+        what = f"the answer for rows {s.start}-{s.stop} at {self.cut.name}"
+        return check_tensor(only_output(outputs, what, address), self.piece_shape(s.start, s.stop),
+                            self.piece_dtype, what, address)
 
     def describe_plan(self, plan: RowPlan | None = None) -> str:
         """A plan (default: setup's) as a table, with what was measured."""
@@ -282,8 +303,11 @@ class Device:
             raise UserError("no server is left: every server of the cluster is down")
         return self._plan_at(self.cut, algorithm, exclude=self.down)
 
-    def _mark_down(self, name: str, why: str, algorithm: str) -> None:
+    def _mark_down(self, name: str, why: str, algorithm: str, wrong: bool = False) -> None:
+        """Leave ``name`` out of the plan; ``wrong``: it answered wrongly, so it is never probed back."""
         with self._health:
+            if wrong:
+                self.suspect.add(name)
             if name in self.down:
                 return
             self.down.add(name)
@@ -295,14 +319,15 @@ class Device:
                 on = "nothing"
             self.events.append({"event": "down", "server": name, "at": detected, "why": why,
                                 "replanned_in": time.perf_counter() - detected})
-        self.log(f"server {name} down ({why}); replanned on {on} in "
-                 f"{self.events[-1]['replanned_in'] * 1e3:.1f} ms; its rows of frames in flight are recomputed there")
+        self.log(f"server {name} down ({why}){' for good: it answered wrongly' if wrong else ''}; replanned on "
+                 f"{on} in {self.events[-1]['replanned_in'] * 1e3:.1f} ms; its rows of frames in flight are "
+                 "recomputed there")
 
     def _probe_down(self, algorithm: str, stop: threading.Event) -> None:
         """Every PROBE_SECONDS, ask each down server if it is ready; bring it back (re-uploading the head)."""
         index = {s.name: k for k, s in enumerate(self.cluster.servers)}
         while not stop.wait(PROBE_SECONDS):
-            for name in sorted(self.down):
+            for name in sorted(self.down - self.suspect):
                 client = self.client(index[name], 0)
                 try:
                     if not client.server_ready(timeout=1.0):
@@ -317,7 +342,8 @@ class Device:
                 self.log(f"server {name} is back; replanned on "
                          f"{', '.join(sorted({s.name for s in self.active_plan.slices}))}")
 
-    def _recover(self, frame: InFlightFrame, s, failed: str) -> tuple[np.ndarray, ServerTiming]:
+    def _recover(self, frame: InFlightFrame, s, failed: str,
+                 stop: threading.Event | None = None) -> tuple[np.ndarray, ServerTiming]:
         """Compute rows [s.start, s.stop) again on the fastest live server (the frame must not be lost).
 
         A busy server (RESOURCE_EXHAUSTED: back-pressure, not a failure) is skipped, and when every live
@@ -328,7 +354,8 @@ class Device:
         rates = self.measured.server_flops_per_second
         give_up = time.perf_counter() + 2 * self._deadline(frame.plan)
         pause = BUSY_BACKOFF
-        while True:
+        busy = False
+        while stop is None or not stop.is_set():
             busy = False
             for name in sorted((n for n in rates if n not in self.down), key=lambda n: -rates[n]):
                 timing = ServerTiming(name, 0, (s.start, s.stop), recovered_from=failed)
@@ -340,19 +367,22 @@ class Device:
                         timeout=self._deadline(frame.plan) * 2)
                     timing.transfer = time.perf_counter() - sent
                     outputs, compute, queued = handle.result()
+                    piece = self.check_piece(outputs, s, handle.client.address)
                 except ServerError as exc:
-                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not isinstance(exc, WrongAnswer):
                         busy = True
                     else:
-                        self._mark_down(name, f"{exc.code.name}: {exc.details}", frame.plan.algorithm)
+                        self._mark_down(name, f"{exc.code.name}: {exc.details}", frame.plan.algorithm,
+                                        wrong=isinstance(exc, WrongAnswer))
                     continue
                 self._close_timing(frame, timing, compute, queued)
-                return next(iter(outputs.values())), timing
+                return piece, timing
             if not busy or time.perf_counter() + pause > give_up:
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
-        why = "every live server stayed busy" if busy else "no live server left"
+        why = ("the run stopped" if stop is not None and stop.is_set() else
+               "every live server stayed busy" if busy else "no live server left")
         raise UserError(f"rows {s.start}-{s.stop} could not be computed: {why}")
 
     def _watch_drift(self, s, timing: ServerTiming, algorithm: str) -> None:
@@ -405,16 +435,21 @@ class Device:
 
     # ---- running --------------------------------------------------------------------------------------
     def run(self, inputs: Iterable[np.ndarray], plan: RowPlan | None = None,
-            depth: int | None = None) -> Iterator[FrameResult]:
+            depth: int | None = None, give_up: GiveUp | None = None) -> Iterator[FrameResult]:
         """Results of every input (1x3xHxW float32), in order; each either an output or an error.
 
         ``plan`` defaults to the one setup() made; ``depth`` (frames in flight) to the device's. A server
         that errs or misses its deadline is marked down, the frame's rows it had are computed again on a
-        live server, and later frames use a plan without it; a down server is probed and rejoins."""
+        live server, and later frames use a plan without it; a down server is probed and rejoins. A server
+        whose answer does not fit the plan (shape, data type, rows) is marked down for good.
+
+        Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too
+        long, and UserError naming the thread when one of the device's own threads fails."""
         assert self.plan is not None, "setup() first"
         self.active_plan = plan or self.plan
         algorithm = self.active_plan.algorithm
         depth = depth or self.depth
+        give_up = give_up or GiveUp()
         index = {s.name: k for k, s in enumerate(self.cluster.servers)}
         antennas = range(len(self.cluster.device.antennas))
         done: queue.Queue[InFlightFrame] = queue.Queue()
@@ -422,6 +457,21 @@ class Device:
         senders: dict[int, queue.Queue] = {m: queue.Queue() for m in antennas}
         pool = ThreadPoolExecutor(max_workers=4 + 2 * len(self.cluster.servers))
         stop = threading.Event()
+        crashed: list[str] = []  # one line per device thread that failed: the run ends with the first
+        finished: queue.Queue[FrameResult | None] = queue.Queue()
+
+        def guarded(name: str, fn: Callable[..., None]) -> Callable[..., None]:
+            """``fn``, but an exception ends the run with one line instead of killing a thread silently."""
+            def target(*args: object) -> None:
+                try:
+                    fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - reported to the consumer, which raises it
+                    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    crashed.append(f"the device's {name} thread failed: {type(exc).__name__}"
+                                   + (f": {text}" if text else ""))
+                    stop.set()
+                    finished.put(None)  # wake the consumer
+            return target
 
         def settle(frame: InFlightFrame, s, piece: np.ndarray | None, timing: ServerTiming | None, error: str | None):
             with frame.lock:
@@ -436,23 +486,25 @@ class Device:
                 done.put(frame)
 
         def failed(frame: InFlightFrame, s, exc: ServerError) -> None:
-            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is back-pressure, not a failure
-                self._mark_down(s.name, f"{exc.code.name}: {exc.details}", algorithm)
+            wrong = isinstance(exc, WrongAnswer)
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wrong:  # busy is back-pressure, not a failure
+                self._mark_down(s.name, f"{exc.code.name}: {exc.details}", algorithm, wrong=wrong)
             try:
-                piece, timing = self._recover(frame, s, s.name)
+                piece, timing = self._recover(frame, s, s.name, stop)
             except UserError as err:
-                settle(frame, s, None, None, str(err))
+                settle(frame, s, None, None, f"{exc}; {err}")
                 return
             settle(frame, s, piece, timing, None)
 
         def collect(frame: InFlightFrame, s, handle, timing: ServerTiming) -> None:
             try:
                 outputs, compute, queued = handle.result()
+                piece = self.check_piece(outputs, s, handle.client.address)
             except ServerError as exc:
                 failed(frame, s, exc)
                 return
             self._close_timing(frame, timing, compute, queued)
-            settle(frame, s, next(iter(outputs.values())), timing, None)
+            settle(frame, s, piece, timing, None)
             self._watch_drift(s, timing, algorithm)
 
         def sender(m: int) -> None:
@@ -471,7 +523,7 @@ class Device:
                             self.head_name, {self.head_input: np.ascontiguousarray(frame.x[:, :, a:b, :])},
                             timeout=self._deadline(frame.plan))
                     except ServerError as exc:
-                        pool.submit(failed, frame, s, exc)
+                        pool.submit(guarded("recovery", failed), frame, s, exc)
                         continue
                     if self.pace:  # hold the antenna for as long as these bytes take at its bandwidth
                         bandwidth = self.measured.antenna_bytes_per_second[m]
@@ -479,26 +531,29 @@ class Device:
                         if pause > 0:
                             time.sleep(pause)
                     timing.transfer = time.perf_counter() - sent
-                    pool.submit(collect, frame, s, handle, timing)
+                    pool.submit(guarded("collector", collect), frame, s, handle, timing)
 
         for m in antennas:
-            threading.Thread(target=sender, args=(m,), daemon=True).start()
-        threading.Thread(target=self._probe_down, args=(algorithm, stop), daemon=True).start()
+            threading.Thread(target=guarded(f"sender (antenna {m})", sender), args=(m,), daemon=True).start()
+        threading.Thread(target=guarded("prober", self._probe_down), args=(algorithm, stop), daemon=True).start()
         feeder_error: list[BaseException] = []
         fed: list[int] = []
-        finished: queue.Queue[FrameResult | None] = queue.Queue()
+        sent_frames = [0]  # frames handed to the senders so far
 
         def feed() -> None:
             count = 0
             try:
                 for x in inputs:
-                    slots.acquire()
+                    while not slots.acquire(timeout=TICK):
+                        if stop.is_set():
+                            return
                     with self._health:
                         current = self.active_plan
                     frame = InFlightFrame(count, x, time.perf_counter(), len(current.slices), current)
                     count += 1
                     for m in antennas:
                         senders[m].put(frame)
+                    sent_frames[0] = count
             except BaseException as exc:  # a source error ends the run after the frames already in
                 feeder_error.append(exc)
             finally:
@@ -516,26 +571,40 @@ class Device:
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
-        threading.Thread(target=finisher, daemon=True).start()
+        threading.Thread(target=guarded("finisher", finisher), daemon=True).start()
         pending: dict[int, FrameResult] = {}
         next_index = 0
         try:
             while not fed or next_index < fed[0]:
-                result = finished.get()
+                try:
+                    result = finished.get(timeout=TICK)
+                except queue.Empty:
+                    result = None
+                if crashed:
+                    raise UserError(crashed[0])
                 if result is not None:
                     pending[result.index] = result
                 while next_index in pending:
-                    yield pending.pop(next_index)
+                    result = pending.pop(next_index)
                     next_index += 1
+                    yield result
+                    give_up.seen(result)
+                with self._health:
+                    waiting = ", ".join(sorted({s.name for s in self.active_plan.slices}))
+                give_up.check(sent_frames[0] > next_index, f"servers {waiting}" + (
+                    f" ({', '.join(sorted(self.down))} down)" if self.down else ""))
         finally:
             stop.set()
             for m in antennas:
                 senders[m].put(None)
             done.put(None)  # type: ignore[arg-type]
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=True, cancel_futures=True)
             feeder.join(timeout=5)
         if feeder_error:
-            raise feeder_error[0]
+            exc = feeder_error[0]
+            if isinstance(exc, UserError):
+                raise exc
+            raise UserError(f"the frame source failed: {type(exc).__name__}: {exc}") from exc
 
     def _finish(self, frame: InFlightFrame, order) -> FrameResult:
         result = FrameResult(frame.index)

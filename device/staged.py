@@ -16,6 +16,7 @@ all come from it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import queue
@@ -35,12 +36,47 @@ from deepco.planning.modnn import NOT_A_SERVER
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import DEVICE, CostModel, StagedPlan, best_offload, search, throughput
 from deepco.wire import deepco_service_pb2 as dpb
-from deepco.wire.client import ServerError
-from deepco.wire.rows import decode_rows, encode_rows
+from deepco.wire.client import ServerError, WrongAnswer
+from deepco.wire.rows import encode_rows
+from device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
+from device.giveup import TICK, GaveUp, GiveUp
 from device.records import FrameResult
 from device.session import BUSY_BACKOFF, PROBE_SECONDS, Device, _session
 
 MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
+
+
+class RunStopped(UserError):
+    """The run stopped (gave up) while this frame was in flight: its calls were cancelled."""
+
+
+class _InFlight:
+    """The gRPC calls of the frames in flight, so that a run that stops can cancel them all at once (a frozen
+    server would otherwise hold each of them until its deadline)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[Any, str] = {}  # call -> the server it waits on
+        self._lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    def add(self, call: Any, server: str) -> None:
+        with self._lock:
+            self._calls[call] = server
+        if self.stopped.is_set():
+            call.cancel()
+
+    def discard(self, call: Any) -> None:
+        with self._lock:
+            self._calls.pop(call, None)
+
+    def cancel_all(self) -> set[str]:
+        """Cancel every call in flight, and every call started from now on; the servers they waited on."""
+        self.stopped.set()
+        with self._lock:
+            calls = dict(self._calls)
+        for call in calls:
+            call.cancel()
+        return set(calls.values())
 
 
 class StagedPlanner:
@@ -158,6 +194,7 @@ class StagedRunner:
         self.log = log or device.log
         self.index = {s.name: k for k, s in enumerate(device.cluster.servers)}
         self.predicted = plan.predicted
+        self._inflight = _InFlight()  # shared with the runners run_frames replans to
         self._prepare()
 
     # ---- setup ----------------------------------------------------------------------------------------
@@ -175,6 +212,8 @@ class StagedRunner:
         if plan.kind == "offload":
             self.whole_name = self._upload(plan.servers[0], dev.model.SerializeToString())
             self.whole_input = dev.model.graph.input[0].name
+            self.output_shape = value_shape(dev.model.graph.output[0])  # what the server's answer must be
+            self.output_dtype = value_dtype(dev.model.graph.output[0])
             return
         if plan.kind == "round-robin":
             from deepco.planning.staged import offload_plan_on
@@ -195,7 +234,12 @@ class StagedRunner:
             self.own_input = self.own.get_inputs()[0].name
         _, tail = p.split(plan.levels[-1])
         tail_bytes = tail.SerializeToString()
-        self.tail_shape = [d.dim_value or 1 for d in tail.graph.output[0].type.tensor_type.shape.dim]  # batch 1
+        # What the servers' answers must be: bands of the last level, or the tail's output (as NCHW on the wire)
+        last = p.cut(plan.levels[-1])
+        self.band_shape = (1, last.channels, None, last.width)
+        self.band_dtype = value_dtype(tail.graph.input[0])
+        self.output_shape = value_shape(tail.graph.output[0])
+        self.output_dtype = value_dtype(tail.graph.output[0])
         if plan.tail is None:
             self.tail = _session(tail_bytes)
             self.tail_input = self.tail.get_inputs()[0].name
@@ -217,9 +261,13 @@ class StagedRunner:
             try:
                 return self._run_frame(x)
             except ServerError as exc:
-                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.perf_counter() + pause > give_up:
+                if self._inflight.stopped.is_set():
+                    raise RunStopped("the run stopped") from None
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.perf_counter() + pause > give_up \
+                        or isinstance(exc, WrongAnswer):
                     raise
-            time.sleep(pause)
+            if self._inflight.stopped.wait(pause):
+                raise RunStopped("the run stopped")
             pause = min(2 * pause, 0.5)
 
     def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
@@ -234,10 +282,18 @@ class StagedRunner:
         if self.plan.kind == "offload":
             server = self.plan.servers[0]
             client = self.device.client(self.index[server], self.plan.antennas[0])
-            handle = client.start_run(self.whole_name, {self.whole_input: x}, timeout=self.timeout)
-            sent = time.perf_counter() - start
-            outputs, compute, queued = handle.result()
-            output = next(iter(outputs.values()))
+            calls: list[Any] = []
+            try:
+                handle = client.start_run(self.whole_name, {self.whole_input: x}, timeout=self.timeout,
+                                          started=lambda call: (calls.append(call), self._inflight.add(call, server)))
+                sent = time.perf_counter() - start
+                outputs, compute, queued = handle.result()
+            finally:
+                for call in calls:
+                    self._inflight.discard(call)
+            what = f"the output of {server}"
+            output = check_tensor(only_output(outputs, what, client.address), self.output_shape, self.output_dtype,
+                                  what, client.address)
             return output, {"latency": time.perf_counter() - start, "sent": sent, "compute": compute,
                             "queue": queued, "server": server}
         return self._split_frame(x, start)
@@ -260,12 +316,18 @@ class StagedRunner:
                                 gather_to=gather, tail_model=self.tail_name if gather == i + 1 else "")
 
     def _split_frame(self, x: np.ndarray, start: float) -> tuple[np.ndarray, dict[str, Any]]:
+        with contextlib.ExitStack() as calls:
+            return self._split_frame_tracked(x, start, calls)
+
+    def _split_frame_tracked(self, x: np.ndarray, start: float,
+                             calls: contextlib.ExitStack) -> tuple[np.ndarray, dict[str, Any]]:
         dev, plan = self.device, self.plan
         job = uuid.uuid4().hex
         n = len(plan.servers)
         streams: dict[int, Any] = {}
         sent_at: dict[int, float] = {}
         failure: list[ServerError] = []
+        crashed: list[BaseException] = []  # a sender's own failure (not the server's): raised here
         lock = threading.Lock()
         by_antenna: dict[int, list[int]] = {}
         remote = [i for i in range(n) if plan.servers[i] != DEVICE]
@@ -278,16 +340,21 @@ class StagedRunner:
                 began = time.perf_counter()
                 try:
                     events = client.deepco.ModnnRun(self.request(job, i, x), timeout=self.timeout)
+                    self._inflight.add(events, plan.servers[i])
+                    calls.callback(self._inflight.discard, events)
                     with lock:
                         streams[i] = events
                     first = next(events)
                     if first.WhichOneof("event") != "received":
-                        raise ServerError(client.address, grpc.StatusCode.INTERNAL, "answered out of order")
+                        raise WrongAnswer(client.address, "ModnnRun answered out of order")
                 except grpc.RpcError as exc:
                     failure.append(ServerError(client.address, exc.code(), exc.details() or ""))
                     return
                 except ServerError as exc:
                     failure.append(exc)
+                    return
+                except BaseException as exc:  # noqa: BLE001 - the frame's thread raises it
+                    crashed.append(exc)
                     return
                 if dev.pace:  # hold the antenna for as long as these bytes take at its bandwidth (EMULATED)
                     a, b = plan.windows[0][i]
@@ -322,9 +389,13 @@ class StagedRunner:
                 raise ServerError(client.address, exc.code(), exc.details() or "") from None
             except StopIteration:
                 raise ServerError(client.address, grpc.StatusCode.INTERNAL, "job ended without a result") from None
+            if event.WhichOneof("event") != "modnn_result":
+                raise WrongAnswer(client.address, "ModnnRun answered out of order")
             return event.modnn_result, time.perf_counter() - start
 
         try:
+            if crashed:
+                raise crashed[0]
             if failure:
                 raise failure[0]
             with ThreadPoolExecutor(max_workers=len(remote)) as pool:
@@ -342,11 +413,11 @@ class StagedRunner:
         collected = time.perf_counter()
         if plan.tail is not None:
             c = plan.servers.index(plan.tail)
-            array, _ = decode_rows(results[c][0].output, f"output of {plan.tail}")
-            output = array.reshape(self.tail_shape) if array.size == int(np.prod(self.tail_shape)) else None
-            if output is None:
-                raise ServerError(dev.client(self.index[plan.tail], 0).address, grpc.StatusCode.INTERNAL,
-                                  f"returned an output of shape {list(array.shape)}, expected {self.tail_shape}")
+            address = dev.client(self.index[plan.tail], 0).address
+            rank = len(self.output_shape)  # Rows carry NCHW: a (1, classes) output travels as (1, classes, 1, 1)
+            wire = (*self.output_shape, *([1] * (4 - rank)))
+            array = check_rows(results[c][0].output, 0, wire, self.output_dtype, f"the output of {plan.tail}", address)
+            output = array.reshape(array.shape[:rank])
             tail_seconds = 0.0
         else:
             pieces = []
@@ -354,12 +425,11 @@ class StagedRunner:
                 if plan.servers[i] == DEVICE:
                     pieces.append(own_band)
                     continue
-                array, row = decode_rows(results[i][0].output, f"band of {plan.servers[i]}")
                 a, b = plan.bands[-1][i]
-                if row != a or array.shape[2] != b - a:
-                    raise ServerError(dev.client(self.index[plan.servers[i]], 0).address, grpc.StatusCode.INTERNAL,
-                                      f"returned rows [{row}, {row + array.shape[2]}), expected [{a}, {b})")
-                pieces.append(array)
+                band = (*self.band_shape[:2], b - a, self.band_shape[3])
+                what = f"the band of {plan.servers[i]}"
+                pieces.append(check_rows(results[i][0].output, a, band, self.band_dtype, what,
+                                         dev.client(self.index[plan.servers[i]], 0).address))
             stitched = np.ascontiguousarray(np.concatenate(pieces, axis=2))
             began = time.perf_counter()
             output = self.tail.run(None, {self.tail_input: stitched})[0]
@@ -379,23 +449,31 @@ class StagedRunner:
 
     # ---- a stream of frames ---------------------------------------------------------------------------
     def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
-                   replan: Callable[[set[str]], StagedPlan] | None = None) -> Iterator[FrameResult]:
-        """Every input's result in order, ``depth`` frames in flight. A server that fails is left out of a new
-        plan (``replan(down)``) and the frame is run again on it; a frame that fails MAX_RETRIES times (or
-        with no server left) yields an explicit error. Nothing is lost."""
+                   replan: Callable[[set[str]], StagedPlan] | None = None,
+                   give_up: GiveUp | None = None) -> Iterator[FrameResult]:
+        """Every input's result in order, ``depth`` frames in flight. A server that fails, or answers wrongly
+        (a tensor that does not fit the plan), is left out of a new plan (``replan(down)``) and the frame is
+        run again on it; a frame that fails MAX_RETRIES times (or with no server left) yields an explicit
+        error. Nothing is lost.
+
+        Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too long,
+        after cancelling the calls in flight; a failure of the device's own code is a one-line UserError."""
+        give_up = give_up or GiveUp()
         down: set[str] = set()
         lock = threading.Lock()
         runner = [self]
         probed = [time.monotonic()]
+        liars: set[str] = set()  # answered wrongly: down for good, never probed back in
+        inflight = self._inflight
 
         def rejoin() -> None:
-            """Every PROBE_SECONDS, ask the down servers whether they are back; replan with those that are
-            (a restarted server gets the plan's models uploaded again by the new runner)."""
+            """Every PROBE_SECONDS, ask the down servers (not the liars) whether they are back; replan with
+            those that are (a restarted server gets the plan's models uploaded again by the new runner)."""
             with lock:
-                if not down or replan is None or time.monotonic() - probed[0] < PROBE_SECONDS:
+                if not down - liars or replan is None or time.monotonic() - probed[0] < PROBE_SECONDS:
                     return
                 probed[0] = time.monotonic()
-                candidates = sorted(down)
+                candidates = sorted(down - liars)
             back = [s for s in candidates if self._ready(s)]
             if not back:
                 return
@@ -403,10 +481,12 @@ class StagedRunner:
                 down.difference_update(back)
                 try:
                     runner[0] = StagedRunner(self.device, replan(set(down)), log=self.log)
+                    runner[0]._inflight = inflight
                 except (UserError, ServerError) as err:
                     down.update(back)
                     self.log(f"server(s) {', '.join(back)} answer again but could not rejoin: {err}")
                     return
+                self.device.down.difference_update(back)
             self.log(f"server(s) {', '.join(back)} back; replanned: {runner[0].plan.describe()}")
 
         def one(index: int, x: np.ndarray) -> FrameResult:
@@ -424,37 +504,76 @@ class StagedRunner:
                     result.staged = timing
                     return result
                 except ServerError as exc:
+                    if inflight.stopped.is_set():
+                        result.error = f"the run stopped ({exc})"
+                        break
                     failed = self._server_of(exc.address)
                     if replan is None:
                         result.error = str(exc)
                         break
                     with lock:
+                        if failed and isinstance(exc, WrongAnswer):
+                            liars.add(failed)
                         if failed and failed not in down:
                             down.add(failed)
-                            self.log(f"server {failed} down ({exc.code.name}); replanning without it")
+                            self.device.down.add(failed)  # not asked to unload on close (a frozen one stalls it)
+                            why = f"answered wrongly: {exc.details}" if isinstance(exc, WrongAnswer) else exc.code.name
+                            self.log(f"server {failed} down ({why}); replanning without it")
                         if runner[0] is current:
                             try:
                                 runner[0] = StagedRunner(self.device, replan(set(down)), log=self.log)
+                                runner[0]._inflight = inflight
                             except UserError as err:
                                 result.error = f"{exc}; and no plan is left: {err}"
                                 break
                     result.error = str(exc)
+                except RunStopped as exc:
+                    result.error = str(exc)
+                    break
             result.latency = time.perf_counter() - began
             return result
 
+        def waiting_for() -> str:
+            with lock:
+                servers = runner[0].plan.servers
+            return (f"servers {', '.join(servers)}" if servers else "the device") + (
+                f" ({', '.join(sorted(down))} down)" if down else "")
+
+        def outcome(future) -> FrameResult:
+            """The frame's result once it is there; meanwhile, ask ``give_up`` whether to stop."""
+            while not wait([future], timeout=TICK).done:
+                give_up.check(True, waiting_for())
+            try:
+                return future.result()
+            except UserError:
+                raise
+            except Exception as exc:  # the device's own code failed: one line, not a traceback
+                raise UserError(f"the device's frame worker failed: {type(exc).__name__}: {exc}") from exc
+
         pending: queue.Queue = queue.Queue()
         with ThreadPoolExecutor(max_workers=depth) as pool:
-            sources = iter(inputs)
-            for index in itertools.count():
-                try:
-                    x = next(sources)
-                except StopIteration:
-                    break
-                pending.put(pool.submit(one, index, x))
-                while pending.qsize() >= depth:
-                    yield pending.get().result()
-            while not pending.empty():
-                yield pending.get().result()
+            try:
+                sources = iter(inputs)
+                for index in itertools.count():
+                    give_up.check(not pending.empty())
+                    try:
+                        x = next(sources)
+                    except StopIteration:
+                        break
+                    pending.put(pool.submit(one, index, x))
+                    while pending.qsize() >= depth:
+                        result = outcome(pending.get())
+                        yield result
+                        give_up.seen(result)
+                while not pending.empty():
+                    result = outcome(pending.get())
+                    yield result
+                    give_up.seen(result)
+            except BaseException as exc:  # gave up, failed, or the consumer stopped: no frame waits for its deadline
+                silent = inflight.cancel_all()
+                if isinstance(exc, GaveUp):  # what the run waited on in vain: Device.close() does not wait again
+                    self.device.down.update(silent)
+                raise
 
     def _ready(self, server: str) -> bool:
         try:

@@ -235,6 +235,13 @@ class Partitioner:
             flops=flops,
         )
 
+    def computed_rows(self, cut: str | Cut, a: int, b: int) -> int:
+        """Rows of the cut tensor the head yields on the input rows of the slice giving [a, b): the rows a
+        server returns for it, exact ones (``crop``) and halo around them."""
+        c = self.cut(cut)
+        start, hi = self.cost(c, a, b).input_rows
+        return self.graph.forward(self._heads[c.tensor], start, hi)[c.tensor].size
+
     def slices(self, cut: str | Cut, boundaries: list[int]) -> list[SliceCost]:
         """One SliceCost per interval of ``boundaries`` = [0, r1, ..., height of the cut], strictly rising."""
         c = self.cut(cut)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.security import ChannelSecurity, make_channel
-from deepco.wire.tensors import decode_outputs, encode_request
+from deepco.wire.tensors import TensorError, decode_outputs, encode_request
 
 
 def content_name(base: str, model_bytes: bytes) -> str:
@@ -41,6 +41,14 @@ class ServerError(UserError):
     def __init__(self, address: str, code: grpc.StatusCode, details: str):
         super().__init__(f"server {address}: {code.name}: {details}")
         self.address, self.code, self.details = address, code, details
+
+
+class WrongAnswer(ServerError):
+    """A server answered, but with something that does not fit the request: a tensor of the wrong shape,
+    data type or rows, or one that does not decode. Unlike a failure, this server is not to be trusted again."""
+
+    def __init__(self, address: str, problem: str):
+        super().__init__(address, grpc.StatusCode.INTERNAL, f"wrong answer: {problem}")
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,14 @@ class RunHandle:
             raise ServerError(self.client.address, exc.code(), exc.details() or "") from None
         except StopIteration:
             raise ServerError(self.client.address, grpc.StatusCode.INTERNAL, "Run ended without a result") from None
+        if event.WhichOneof("event") != "result":
+            raise WrongAnswer(self.client.address, "Run answered out of order")
         result = event.result
-        return decode_outputs(result.response), result.compute_seconds, result.queue_seconds
+        try:
+            outputs = decode_outputs(result.response)
+        except TensorError as exc:
+            raise WrongAnswer(self.client.address, str(exc)) from None
+        return outputs, result.compute_seconds, result.queue_seconds
 
 
 class InferenceClient:
@@ -203,10 +217,15 @@ class InferenceClient:
         outputs = decode_outputs(response)
         return outputs[response.outputs[0].name]
 
-    def start_run(self, name: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> RunHandle:
-        """Send one slice with DeepcoService.Run; return once the server has received all of it."""
+    def start_run(self, name: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None,
+                  started: Callable[[Any], None] | None = None) -> RunHandle:
+        """Send one slice with DeepcoService.Run; return once the server has received all of it.
+
+        ``started`` gets the gRPC call as soon as it exists (before any wait), e.g. to cancel it from elsewhere."""
         limit = self.timeout if timeout is None else timeout
         events = self.deepco.Run(encode_request(name, inputs), timeout=limit)
+        if started is not None:
+            started(events)
         # A second, client-side bound: a stream once sat past its gRPC deadline here (seen on the testbed,
         # not understood); cancelling the call turns any such stall into a CANCELLED error we handle.
         watchdog = threading.Timer(limit + 1.0, events.cancel) if limit is not None else None
@@ -224,7 +243,10 @@ class InferenceClient:
                 watchdog.cancel()
             raise ServerError(self.address, grpc.StatusCode.INTERNAL, "Run ended before the data arrived") from None
         if first.WhichOneof("event") != "received":
-            raise ServerError(self.address, grpc.StatusCode.INTERNAL, "Run answered out of order")
+            if watchdog is not None:
+                watchdog.cancel()
+            events.cancel()
+            raise WrongAnswer(self.address, "Run answered out of order")
         return RunHandle(self, events, watchdog)
 
     def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:
