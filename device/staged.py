@@ -51,8 +51,8 @@ class StagedPlanner:
         self.device = device
         out = device.tail.get_outputs()[0] if device.tail is not None else None
         out_bytes = 4 * int(np.prod([d if isinstance(d, int) else 1 for d in out.shape])) if out else 4096
-        self.costs = CostModel(device.partitioner, 3 * device.height * device.width * device.partitioner.graph.itemsize,
-                               out_bytes)
+        image_bytes = device.channels * device.height * device.width * device.partitioner.graph.itemsize
+        self.costs = CostModel(device.partitioner, image_bytes, out_bytes)
         self.step_overhead = 0.0
         self.trials: list[dict] = []  # what calibrate() timed
 
@@ -104,7 +104,7 @@ class StagedPlanner:
         not depend on what the image shows."""
         from deepco.planning.staged import predict, steps
 
-        px = np.zeros((1, 3, self.device.height, self.device.width), np.uint8)
+        px = np.zeros((1, self.device.channels, self.device.height, self.device.width), np.uint8)
         measured: dict[str, tuple[float, StagedPlan]] = {}
         plan = self.best(objective)
         for _ in range(rounds):
@@ -186,11 +186,11 @@ class StagedRunner:
         else:
             self.tail_name = self._upload(plan.tail, tail_bytes)
         self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
-        self.row_bytes = 3 * dev.width * p.graph.itemsize
+        self.row_bytes = dev.channels * dev.width * p.graph.itemsize
 
     # ---- one frame ------------------------------------------------------------------------------------
     def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        """One frame (1x3xHxW uint8 pixels): (the model's output, timing in seconds). Raises ServerError
+        """One frame (1xCxHxW uint8 pixels): (the model's output, timing in seconds). Raises ServerError
         naming the server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other
         frames' jobs hold its threads) is waited for with backoff, up to the runner's timeout."""
         give_up = time.perf_counter() + self.timeout
