@@ -243,6 +243,8 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
             c = colours[i % len(colours)]
             inset = 3 * i  # side by side where windows overlap
             left.add_patch(Rectangle((0, a), w, b - a, facecolor=(*c, 0.35), edgecolor=c, lw=1.5))
+            left.add_patch(Rectangle((-0.04 * w, a), 0.04 * w, b - a, facecolor=c, edgecolor="white", lw=1,
+                                     clip_on=False))  # a solid strip: the band even where the photo is its colour
             left.add_patch(Rectangle((inset, wa), w - 2 * inset, wb - wa, fill=False, edgecolor=c, lw=2,
                                      ls="--"))
             for ha, hb in ((wa, a), (b, wb)):  # the halo: rows sent but owned by a neighbour
@@ -255,7 +257,9 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
         tail = f"tail on {shown['tail']}" if shown["tail"] else "tail on the camera"
         idle = [s for s in results["servers"] if s not in shown["servers"]]
         idle_note = f"; idle: {', '.join(idle)}" if idle else ""
-        left.set_title(f"{note}\nstages end at {', '.join(shown['levels'])}; {tail}{idle_note}", fontsize=9)
+        halo = ("lookahead: each window carries its halo" if shown["lookahead"]
+                else "no lookahead: the servers exchange halo rows")
+        left.set_title(f"{note}\nstages end at {', '.join(shown['levels'])}; {tail}{idle_note}\n{halo}", fontsize=9)
         left.legend(handles=[Patch(facecolor=(0.5, 0.5, 0.5, 0.3), edgecolor="k", label="band (rows a server owns)"),
                              Patch(facecolor="none", edgecolor="k", ls="--", label="window sent (band + halo)"),
                              Patch(facecolor="none", edgecolor="k", hatch="////", label="halo")],
@@ -275,6 +279,7 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
         right.plot(range(len(lat)), lat, marker="o", ms=3, color=colours[k],
                    label=f"{r['plan']}: p50 {r['p50_ms']:.1f} ms, {r['fps']:.1f} fps")
     right.set_xlabel("frame")
+    right.xaxis.get_major_locator().set_params(integer=True)
     right.set_ylabel("latency (ms)")
     right.set_ylim(bottom=0)
     right.grid(alpha=0.3)
