@@ -21,6 +21,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from deepco import modelcard
 from deepco.errors import UserError
 from deepco.testbed import ServerSpec, Testbed, TestbedSpec
 
@@ -80,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing)")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds one testbed run may take (default 1200)")
+    modelcard.add_arguments(p)
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -161,7 +163,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         worker = [sys.executable, "-m", "device.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
                   "--fps-frames", str(args.fps_frames), "--depth", str(args.depth),
-                  "--cut", args.cut, "--label", tb.label, "--out", str(out)]
+                  "--cut", args.cut, "--label", tb.label, "--out", str(out), *modelcard.to_argv(args)]
         if spec.peer_mbps is not None:
             worker += ["--peer-mbps", str(spec.peer_mbps)]
         if not tb.kernel:
@@ -298,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--frames, --servers, --antennas, --bandwidth and --repeat must be positive")
     if args.depth < 2 and args.fps_frames > 0:
         raise UserError("--depth must be at least 2: the throughput run pipelines frames")
+    modelcard.from_args(args.model, args)  # a bad preprocessing flag or card fails before any testbed is built
     started = time.perf_counter()
     values: list = [None] if args.sweep is None else SWEEPS[args.sweep]
     points = []

@@ -27,9 +27,10 @@ import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
+from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from device.preprocess import normalise, pixels, preprocessing_for
+from device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from device.session import ALGORITHMS as ROW_ALGORITHMS
 from device.session import Device
 
@@ -38,13 +39,13 @@ MODNN = ("modnn-sa", "modnn-ma")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
 
-def photo_pixels(model: str, height: int, width: int) -> np.ndarray:
+def photo_pixels(height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
     """The benchmark's input: matplotlib's photo of Grace Hopper as the pixels the device sends."""
     import cv2
     import matplotlib
 
     frame = cv2.imread(str(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"))
-    return pixels(frame, height, width, preprocessing_for(model))
+    return pixels(frame, height, width, how)
 
 
 def bound(device: Device) -> dict:
@@ -52,7 +53,7 @@ def bound(device: Device) -> dict:
     latency >= max(input bytes as sent / sum of antenna bandwidths, model FLOPs / (sum of server FLOP/s +
     device FLOP/s)); fps <= min(sum of antenna bandwidths / input bytes, sum of compute / model FLOPs)."""
     m = device.measured
-    input_bytes = 3 * device.height * device.width * device.partitioner.graph.itemsize
+    input_bytes = device.channels * device.height * device.width * device.partitioner.graph.itemsize
     flops = device.partitioner.total_flops
     link = sum(m.antenna_bytes_per_second)
     compute = sum(m.server_flops_per_second.values()) + m.device_flops_per_second
@@ -125,7 +126,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     h, w = (int(v) for v in args.input_size.split("x"))
     cluster = load_cluster(args.cluster)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    device = Device(cluster, args.model, h, w, algorithm="thread", cut=args.cut, pace=args.pace, depth=1, log=log)
+    how = modelcard.from_args(args.model, args)
+    device = Device(cluster, args.model, h, w, algorithm="thread", cut=args.cut, pace=args.pace, depth=1, log=log,
+                    preprocessing=how)
     with device:
         device.setup()
         from device.staged import StagedPlanner
@@ -141,8 +144,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     f"{planner.fps(plans[name]):.2f} fps)")
         peer = None if args.peer_mbps is None else args.peer_mbps * 1e6 / 8
         runners = {a: Runner(a, device, peer, plans) for a in algorithms}
-        px = photo_pixels(args.model, h, w)
-        how = preprocessing_for(args.model)
+        px = photo_pixels(h, w, how)
         whole = ort.InferenceSession(device.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
         reference = whole.run(None, {whole.get_inputs()[0].name: normalise(px, how)})[0]
         scale = float(np.abs(reference).max()) or 1.0
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-mbps", type=float, default=None, help="the servers' own links (MoDNN's exchanges)")
     p.add_argument("--label", default="")
     p.add_argument("--out", required=True)
+    modelcard.add_arguments(p)
     args = p.parse_args(argv)
     try:
         document = run_benchmark(args)

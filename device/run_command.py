@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
@@ -42,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
                    help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
-    p.add_argument("--weights", default=None, help="state-dict file for a zoo model")
+    p.add_argument("--weights", default=None, metavar="STATE_DICT",
+                   help="a torch state-dict file for a zoo model (torchvision's parameter names for the ResNets); "
+                        "without it the zoo's ResNets have seeded random weights and their labels are noise")
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
     p.add_argument("--depth", type=int, default=2, help="frames in flight at once (pipelining)")
@@ -54,12 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"every server frozen (default {GIVE_UP_AFTER:g}; 0: never)")
     p.add_argument("--max-failed-frames", type=int, default=MAX_FAILED_FRAMES, metavar="N",
                    help=f"stop (exit 2) after N failed frames in a row (default {MAX_FAILED_FRAMES}; 0: never)")
+    modelcard.add_arguments(p, output=True)
     security.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device, stream the source through the plan, report."""
-    from device.preprocess import normalise, pixels, preprocessing_for, top_labels
+    from device.preprocess import normalise, pixels
     from device.session import Device
     from device.sources import first_frame_check, open_source
 
@@ -72,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.pace:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
-    how = preprocessing_for(args.model)
+    how = modelcard.from_args(args.model, args)
+    shown = Outputs(how.output, args.output_dir)
     inputs: list[np.ndarray] = []
     outputs: list[np.ndarray] = []
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
@@ -81,8 +87,14 @@ def run(args: argparse.Namespace) -> int:
         staged = args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
                     weights=args.weights, pace=args.pace, depth=args.depth,
-                    log=lambda line: print(line, flush=True), security=security.from_args(args)) as dev:
+                    log=lambda line: print(line, flush=True), security=security.from_args(args),
+                    preprocessing=how) as dev:
             dev.setup()
+            print(f"preprocessing: {how.describe()}", flush=True)
+            shown.noise = _seeded(args.model, args.weights)
+            if shown.noise:
+                print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
+                      "STATE_DICT for real ones", flush=True)
             if staged:
                 from device.staged import StagedPlanner, StagedRunner
 
@@ -124,16 +136,18 @@ def run(args: argparse.Namespace) -> int:
                 latencies.append(result.latency)
                 if args.save_outputs:
                     outputs.append(result.output)
+                shown_output = shown.frame(result.index, result.output)
                 if not args.quiet:
-                    labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(result.output, 3))
                     fps = len(latencies) / (time.perf_counter() - start)
-                    print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {labels}", flush=True)
+                    print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown_output}",
+                          flush=True)
             elapsed = time.perf_counter() - start
     finally:
         if log_file:
             log_file.close()
     if args.save_outputs:
-        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else np.zeros((0, 3, height, width)),
+        empty = np.zeros((0, how.channels, height, width))
+        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else empty,
                  outputs=np.concatenate(outputs) if outputs else np.zeros((0,)))
     done = len(latencies)
     if done:
@@ -147,3 +161,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _seeded(model: str, weights: str | None) -> bool:
+    """Whether ``model`` is a zoo model running on seeded random weights (its labels mean nothing)."""
+    if weights is not None or "deepco.zoo" not in sys.modules:  # an ONNX file never imports the zoo (torch)
+        return False
+    from deepco.zoo import SEEDED
+
+    return model in SEEDED
+
+
+class Outputs:
+    """What `deepco run` does with each frame's output: top labels, a saved tensor (raw), or its shape."""
+
+    def __init__(self, mode: str, directory: str):
+        self.mode, self.directory = mode, Path(directory)
+        self.noise = False
+
+    def frame(self, index: int, output: np.ndarray) -> str:
+        """Show or save one frame's output; the text for its line."""
+        from device.preprocess import top_labels
+
+        mode = self.mode if self.mode != "auto" else ("labels" if output.size == 1000 else "shape")
+        if mode == "labels":
+            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(output, 3))
+            return f"random weights: {labels}" if self.noise else labels
+        described = (f"output {'x'.join(map(str, output.shape))} {output.dtype} in "
+                     f"[{float(output.min()):.3g}, {float(output.max()):.3g}]")
+        if mode == "shape":
+            return described + " (--output raw saves it)"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"frame-{index:06d}.npy"
+        np.save(path, output)
+        return f"{described} -> {path}"

@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from deepco.cluster import Cluster
 from deepco.errors import UserError
+from deepco.modelcard import check_input
 from deepco.partition import Cut, Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning import make_plan
@@ -40,7 +41,7 @@ from deepco.wire.security import ChannelSecurity
 from device.answers import check_tensor, only_output, value_dtype
 from device.giveup import TICK, GiveUp
 from device.lifecycle import Uploads, check_capacity
-from device.preprocess import preprocessing_for
+from device.preprocess import Preprocessing, preprocessing_for
 from device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
@@ -86,7 +87,8 @@ class Device:
 
     def __init__(self, cluster: Cluster, model: str, height: int, width: int, *, algorithm: str = "thread",
                  cut: str = "auto", weights: str | None = None, pace: bool = False, depth: int = 2,
-                 log: Callable[[str], None] = print, security: ChannelSecurity | None = None):
+                 log: Callable[[str], None] = print, security: ChannelSecurity | None = None,
+                 preprocessing: Preprocessing | None = None):
         if algorithm not in ALGORITHMS:
             raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
         if depth < 1:
@@ -106,6 +108,8 @@ class Device:
         self.plan: RowPlan | None = None
         self.cut: Cut | None = None
         self.measured: Measurements | None = None
+        self.preprocessing = preprocessing or preprocessing_for(model)  # checked against the model in setup()
+        self.channels = self.preprocessing.channels
         self.tag = re.sub(r"[^A-Za-z0-9_.-]", "_", model.rsplit("/", 1)[-1])
 
     # ---- setup ----------------------------------------------------------------------------------------
@@ -136,7 +140,8 @@ class Device:
     def setup(self) -> RowPlan:
         """Load, measure, plan and upload; returns the plan (also printed through ``log``)."""
         self.reference_model = load_model(self.model_spec, self.height, self.width, self.weights)
-        how = self.preprocessing = preprocessing_for(self.model_spec)
+        how = self.preprocessing
+        check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
         # the device sends uint8 pixels; the normalisation runs in the first stage's graph
         self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
         self.partitioner = p = Partitioner(self.model, self.height, self.width)
@@ -146,7 +151,7 @@ class Device:
         for k in range(len(self.cluster.servers)):
             self.client(k, 0).wait_ready(timeout=10.0)
             check_capacity(self.client(k, 0), 2)  # the probe head and the plan's first model, before measuring
-        x = np.zeros((1, 3, self.height, self.width), np.uint8)
+        x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = _session(self.model.SerializeToString())
         self.input_name = whole.get_inputs()[0].name
         device_rate = p.total_flops / _median_seconds(lambda: whole.run(None, {self.input_name: x}))
@@ -216,7 +221,7 @@ class Device:
         p = self.partitioner
         nodes = [Node(s.name, m.server_flops_per_second[s.name]) for s in self.cluster.servers
                  if s.name not in exclude]
-        image_bytes = 3 * self.height * self.width * p.graph.itemsize
+        image_bytes = self.channels * self.height * self.width * p.graph.itemsize
         tail_time = cut.tail_flops / m.device_flops_per_second
 
         def bill(a: int, b: int) -> SliceBill:

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 
+from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
 from deepco.wire import security
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dry.add_argument("--input-size", default="224x224", metavar="HxW", help="input height x width (default 224x224)")
     dry.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto (default)")
     dry.add_argument("--weights", default=None, help="state-dict file for a zoo model")
+    modelcard.add_arguments(p)
     security.add_arguments(p)
 
 

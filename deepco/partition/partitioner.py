@@ -285,6 +285,12 @@ class Partitioner:
         tail = onnx.utils.Extractor(static).extract_model([c.tensor], list(g.outputs))
         return head, self._finish(tail, f"{c.name}-tail")
 
+    def whole(self) -> onnx.ModelProto:
+        """The whole model at this input size with the image-independent subgraphs folded to constants: what a
+        server runs for an offload (an exported Pad whose pads are computed from the input's shape would
+        otherwise make its output size depend on values, and a server cannot bound such a request's memory)."""
+        return self._finish(self._with_input_dims((self.height, self.width)), "whole")
+
     def _with_input_dims(self, hw: tuple[int | str, int | str]) -> onnx.ModelProto:
         model = copy.deepcopy(self.graph.model)
         del model.graph.value_info[:]

@@ -1,7 +1,8 @@
 """Camera pixels in, model out: the model's normalisation moved into its graph, so the device sends uint8.
 
 A CNN trained on normalised float input x = (p * scale - mean_c) / std_c (p the 0..255 pixel of channel c)
-gets a new input ``pixels`` (uint8, 1x3xHxW, the model's colour order) and three nodes in front:
+gets a new input ``pixels`` (uint8, 1xCxHxW: grey, or 3 channels in the model's colour order) and three nodes
+in front:
 Cast to float, Mul by scale / std_c and Add -mean_c / std_c (per-channel constants). The first stage then
 receives a quarter of the bytes a float32 tensor takes, and every later tensor is unchanged. The device
 still resizes and reorders channels (one copy it makes anyway when it turns HWC into CHW).
@@ -37,7 +38,7 @@ def with_pixel_input(model: onnx.ModelProto, mean: Sequence[float], std: Sequenc
     if old.type.tensor_type.elem_type != TensorProto.FLOAT:
         raise PartitionError(f"input {old.name!r} is not float32: it cannot take normalised pixels")
     dims = old.type.tensor_type.shape.dim
-    channels = dims[1].dim_value if len(dims) == 4 and dims[1].HasField("dim_value") else 3
+    channels = dims[1].dim_value if len(dims) == 4 and dims[1].HasField("dim_value") else len(mean)
     if len(mean) != channels or len(std) != channels:
         raise PartitionError(f"normalisation has {len(mean)} means and {len(std)} stds for {channels} channels")
     a = (np.float32(scale) / np.asarray(std, np.float32)).reshape(1, channels, 1, 1).astype(np.float32)

@@ -22,6 +22,7 @@ from deepco.zoo.resnet import SPECS as _RESNETS
 from deepco.zoo.resnet import resnet
 
 MODELS: tuple[str, ...] = (*_RESNETS, "efficientnet-lite0")
+SEEDED: tuple[str, ...] = tuple(_RESNETS)  # random (seeded) weights unless a state dict is given
 DEFAULT_SEED = 0
 OPSET = 17
 INPUT_NAME = "input"
@@ -106,4 +107,4 @@ def export(
     return model
 
 
-__all__ = ["MODELS", "build", "export", "to_onnx", "weights_path"]
+__all__ = ["MODELS", "SEEDED", "build", "export", "to_onnx", "weights_path"]
