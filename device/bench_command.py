@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames per algorithm in the pipelined throughput run (default 8; 0: skip)")
     p.add_argument("--depth", type=int, default=2, help="frames in flight in the throughput run (default 2)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="independent repetitions (testbed, setup and plan each time); tables give medians")
+                   help="independent repetitions (testbed, setup and plan each time); tables give medians "
+                        "(default 1)")
     p.add_argument("--cut", default="auto", help="THREAD's cut (default auto)")
     p.add_argument("--sweep", choices=list(SWEEPS), default=None, help="repeat over a range of one parameter")
     p.add_argument("--json", metavar="FILE",

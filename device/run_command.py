@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
                 runner = StagedRunner(dev, plan)
                 predicted = plan.predicted
+                print(dev.describe_measurements(), flush=True)
                 print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
                       f"{planner.fps(plan):.2f} fps", flush=True)
             else:

@@ -279,6 +279,19 @@ class Device:
         return check_tensor(only_output(outputs, what, address), self.piece_shape(s.start, s.stop),
                             self.piece_dtype, what, address)
 
+    def describe_measurements(self) -> str:
+        """One line: what setup measured."""
+        m = self.measured
+        assert m is not None, "setup() first"
+        peer = (f"; server to server {m.peer_bytes_per_second * 8 / 1e6:.1f} Mbit/s" if m.peer_bytes_per_second
+                else "")
+        return ("measured: " + ", ".join(f"{n} {r / 1e9:.2f} GFLOP/s" for n, r in m.server_flops_per_second.items())
+                + "; antennas " + ", ".join(f"{b * 8 / 1e6:.1f} Mbit/s" for b in m.antenna_bytes_per_second)
+                + (" (paced: EMULATED by app-level pacing)" if m.paced else "")
+                + f"; request overhead {m.request_overhead * 1e3:.2f} ms{peer}; device "
+                f"{m.device_flops_per_second / 1e9:.2f} GFLOP/s, {m.device_seconds_per_byte * 1e9:.2f} ns of its CPU "
+                "per byte sent")
+
     def describe_plan(self, plan: RowPlan | None = None) -> str:
         """A plan (default: setup's) as a table, with what was measured."""
         plan, m, cut = plan or self.plan, self.measured, self.cut
@@ -286,11 +299,7 @@ class Device:
         lines = [f"plan: {plan.algorithm} at cut {cut.name} ({cut.height} rows, halo {cut.halo_top}+"
                  f"{cut.halo_bottom}, stride {cut.stride}); predicted frame {plan.frame_time * 1e3:.1f} ms "
                  f"(slices {plan.completion_time * 1e3:.1f} + tail {plan.tail_time * 1e3:.1f})",
-                 "measured: " + ", ".join(f"{n} {r / 1e9:.2f} GFLOP/s" for n, r in m.server_flops_per_second.items())
-                 + "; antennas " + ", ".join(f"{b * 8 / 1e6:.1f} Mbit/s" for b in m.antenna_bytes_per_second)
-                 + (" (paced: EMULATED by app-level pacing)" if m.paced else "")
-                 + f"; request overhead {m.request_overhead * 1e3:.2f} ms; device {m.device_flops_per_second / 1e9:.2f}"
-                 " GFLOP/s",
+                 self.describe_measurements(),
                  f"{'server':<10} {'antenna':>7} {'order':>5} {'rows':>9} {'tx start':>9} {'tx':>8} {'compute':>8} "
                  f"{'return':>8} {'finish':>8}  (ms)"]
         for s in sorted(plan.slices, key=lambda s: (s.antenna, s.order)):
