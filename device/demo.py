@@ -31,9 +31,6 @@ from deepco.errors import UserError
 
 LISTENING = re.compile(r"deepco serve: listening on (\S+)")
 PLANS = ("local", "offload", "auto")
-# the cut THREAD's row planner would pick on these models (what `deepco run --algorithm thread` prints)
-THREAD_CUT = {"resnet18": "layer2", "resnet34": "layer2", "resnet50": "layer2", "resnet101": "layer2",
-              "resnet152": "layer2", "efficientnet-lite0": "_blocks.5"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,9 +154,8 @@ def worker(spec_path: str) -> int:
     how = preprocessing_for(spec["model"])
     frames = [pixels(f, h, w, how) for f in open_source(spec["clip"], spec["frames"])]
     log = lambda line: print(f"device: {line}", flush=True)  # noqa: E731
-    # THREAD's cut named: the staged planner does not use the row planner's search over every cut
-    with Device(load_cluster(spec["cluster"]), spec["model"], h, w, pace=True, log=log, cut=spec["cut"]) as dev:
-        dev.setup()
+    with Device(load_cluster(spec["cluster"]), spec["model"], h, w, pace=True, log=log) as dev:
+        dev.setup(rows=False)  # the staged planner plans for itself
         planner = StagedPlanner(dev)
         plans = {"local": planner.named("local"), "offload": planner.named("offload"),
                  "auto": planner.calibrate("latency")}
@@ -321,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             spec = {"cluster": str(write_cluster(tmp / "cluster.toml", addresses, args.antennas, args.bandwidth)),
                     "model": str(model_path), "clip": str(clip), "frames": args.frames, "height": height,
                     "width": width, "cgroup": str(cgroup) if cgroup else None, "outputs": str(tmp / "outputs.npz"),
-                    "results": str(tmp / "results.json"), "cut": THREAD_CUT[args.model]}
+                    "results": str(tmp / "results.json")}
             (tmp / "spec.json").write_text(json.dumps(spec))
             device = subprocess.run([sys.executable, "-m", "device.demo", "--worker", str(tmp / "spec.json")])
             if device.returncode != 0:

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                     weights=args.weights, pace=args.pace, depth=args.depth,
                     log=lambda line: print(line, flush=True), security=security.from_args(args),
                     preprocessing=how) as dev:
-            dev.setup()
+            dev.setup(rows=not staged)
             print(f"preprocessing: {how.describe()}", flush=True)
             shown.noise = _seeded(args.model, args.weights)
             if shown.noise:

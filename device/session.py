@@ -137,8 +137,10 @@ class Device:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def setup(self) -> RowPlan:
-        """Load, measure, plan and upload; returns the plan (also printed through ``log``)."""
+    def setup(self, rows: bool = True) -> RowPlan | None:
+        """Load, measure, plan and upload; returns the plan (also printed through ``log``). ``rows=False``
+        stops after measuring: the staged planner (device/staged.py) plans and uploads for itself, and the
+        paper's row plans over every cut would only cost time (seconds per cut on a weak device)."""
         self.reference_model = load_model(self.model_spec, self.height, self.width, self.weights)
         how = self.preprocessing
         check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
@@ -168,6 +170,8 @@ class Device:
         peer, peer_overhead = self._probe_peers()
         self.measured = Measurements(rates, bandwidths, overhead, device_rate, self.pace, peer, peer_overhead,
                                      _marshal_seconds_per_byte())
+        if not rows:
+            return None
         plans = {c.name: self._plan_at(c, self.algorithm) for c in cuts}
         self.cut = min(cuts, key=lambda c: (plans[c.name].frame_time, -cuts.index(c)))
         self.plan = plans[self.cut.name]

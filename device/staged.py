@@ -86,8 +86,8 @@ class StagedPlanner:
         if device.measured is None:
             raise UserError("StagedPlanner needs a Device that is set up (Device.setup())")
         self.device = device
-        out = device.tail.get_outputs()[0] if device.tail is not None else None
-        out_bytes = 4 * int(np.prod([d if isinstance(d, int) else 1 for d in out.shape])) if out else 4096
+        out = device.reference_model.graph.output[0].type.tensor_type.shape.dim
+        out_bytes = 4 * int(np.prod([d.dim_value or 1 for d in out]))  # float32 (batch 1)
         image_bytes = device.channels * device.height * device.width * device.partitioner.graph.itemsize
         self.costs = CostModel(device.partitioner, image_bytes, out_bytes)
         self.step_overhead = 0.0
@@ -174,6 +174,9 @@ class StagedPlanner:
         # the best offload are timed as contenders, so auto is never slower than them as measured.
         for contender in (self.named("local"), self.named("offload")):
             key = json.dumps(contender.to_dict() | {"predicted": 0, "breakdown": {}}, sort_keys=True)
+            fastest = min(v[0] for v in measured.values())
+            if contender.kind == "local" and contender.predicted > 2 * fastest:
+                continue  # the device alone is compute only, predicted well: far slower, not worth seconds here
             if key not in measured:
                 runner = StagedRunner(self.device, contender)
                 runner.run_frame(px)
