@@ -35,6 +35,7 @@ from device.session import ALGORITHMS as ROW_ALGORITHMS
 from device.session import Device
 
 WARMUP_FRAMES = 2
+SETTLE_SECONDS = 0.03  # three CFS periods between frames: every quota starts a frame refilled
 MODNN = ("modnn-sa", "modnn-ma")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
@@ -157,8 +158,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             for a in algorithms:
                 check(a, runners[a].frame(px)[0])
         latencies: dict[str, list[float]] = {a: [] for a in algorithms}
-        for _ in tqdm(range(args.frames), desc="latency (algorithms interleaved)", file=sys.stderr):
-            for a in algorithms:
+        for k in tqdm(range(args.frames), desc="latency (algorithms interleaved)", file=sys.stderr):
+            # The order rotates every round: a frame's time depends on what ran just before it (a CPU quota
+            # that the previous frame drained, caches), and identical plans measured ~10% apart at fixed spots.
+            for a in algorithms[k % len(algorithms):] + algorithms[:k % len(algorithms)]:
+                time.sleep(SETTLE_SECONDS)
                 output, latency = runners[a].frame(px)
                 check(a, output)
                 latencies[a].append(latency)
