@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from device.demo import grace_hopper, local_servers, write_cluster
-from device.sources import make_pan_zoom_clip
+from deepco_device.demo import grace_hopper, local_servers, write_cluster
+from deepco_device.sources import make_pan_zoom_clip
 
 ROOT = Path(__file__).resolve().parent.parent
 

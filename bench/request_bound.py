@@ -14,7 +14,7 @@ import time
 
 import onnx
 
-from server.model_checks import SizeBound
+from deepco_server.model_checks import SizeBound
 
 
 def main(path: str, shape_text: str) -> None:

@@ -118,7 +118,7 @@ def main() -> None:
     import cv2
     import numpy as np
 
-    from device.sources import make_pan_zoom_clip
+    from deepco_device.sources import make_pan_zoom_clip
 
     models = load_models()
     spec = TestbedSpec(antenna_mbps=(a.bandwidth,), servers=tuple(ServerSpec(n, c) for n, c in SHARES.items()),

@@ -27,13 +27,13 @@ COMMANDS = {
                  "simulate training-job schedulers (online-batch, preemptive, baselines) on a trace"),
     "models": ("deepco.commands.models",
                "list the models loaded on a cluster's servers, or unload them (--unload NAME, --all)"),
-    "serve": ("server.cli",
+    "serve": ("deepco_server.cli",
               "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
-    "run": ("device.run_command",
+    "run": ("deepco_device.run_command",
             "the device: stream a camera/video/images through the servers with a THREAD plan"),
-    "bench": ("device.bench_command",
+    "bench": ("deepco_device.bench_command",
               "measured latency of THREAD vs MoDNN and baselines on an emulated edge network (tc, cgroups)"),
-    "demo": ("device.demo",
+    "demo": ("deepco_device.demo",
              "three local servers, a real photo as a clip, EfficientNet-Lite0, live per-frame results"),
 }
 

@@ -161,7 +161,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         cluster = write_cluster(workdir / f"cluster-{servers}-{antennas}-{bandwidth:g}-{scale:g}.toml", tb, ports,
                                 bandwidth)
         out = workdir / "point.json"
-        worker = [sys.executable, "-m", "device.benchmark", "--cluster", str(cluster), "--model", args.model,
+        worker = [sys.executable, "-m", "deepco_device.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
                   "--fps-frames", str(args.fps_frames), "--depth", str(args.depth),
                   "--cut", args.cut, "--label", tb.label, "--out", str(out), *modelcard.to_argv(args)]

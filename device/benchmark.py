@@ -30,9 +30,9 @@ from tqdm import tqdm
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from device.preprocess import IMAGENET, Preprocessing, normalise, pixels
-from device.session import ALGORITHMS as ROW_ALGORITHMS
-from device.session import Device
+from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
+from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
+from deepco_device.session import Device
 
 WARMUP_FRAMES = 2
 SETTLE_SECONDS = 0.03  # three CFS periods between frames: every quota starts a frame refilled
@@ -77,7 +77,7 @@ class Runner:
     def __init__(self, name: str, device: Device, peer: float | None, objective_plans: dict):
         self.name, self.device = name, device
         if name in MODNN:
-            from device.modnn import ModnnRunner
+            from deepco_device.modnn import ModnnRunner
 
             self.impl = ModnnRunner(device, name, peer_bytes_per_second=peer)
             self.predicted, self.predicted_fps, self.plan = self.impl.predicted, None, None
@@ -85,7 +85,7 @@ class Runner:
             self.impl = device.plan_for(name)
             self.predicted, self.predicted_fps, self.plan = self.impl.frame_time, None, None
         else:
-            from device.staged import StagedRunner
+            from deepco_device.staged import StagedRunner
 
             plan = objective_plans[name]
             self.impl = StagedRunner(device, plan)
@@ -132,7 +132,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     preprocessing=how)
     with device:
         device.setup()
-        from device.staged import StagedPlanner
+        from deepco_device.staged import StagedPlanner
 
         planner = StagedPlanner(device)
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first

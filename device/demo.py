@@ -142,10 +142,10 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
 def worker(spec_path: str) -> int:
     """The device: join the camera's cgroup, set up once, run every plan over the clip, write the results."""
     from deepco.cluster import load_cluster
-    from device.preprocess import pixels, preprocessing_for
-    from device.session import Device
-    from device.sources import open_source
-    from device.staged import StagedPlanner, StagedRunner
+    from deepco_device.preprocess import pixels, preprocessing_for
+    from deepco_device.session import Device
+    from deepco_device.sources import open_source
+    from deepco_device.staged import StagedPlanner, StagedRunner
 
     spec = json.loads(Path(spec_path).read_text())
     if spec["cgroup"]:  # from here on every instruction of the device runs under the quota
@@ -187,7 +187,7 @@ def compare(results: dict, data: dict, model_path: Path, how) -> list[dict]:
     """One row per plan: p50/p95 latency, fps (one frame at a time), worst relative error vs the whole model."""
     import onnxruntime as ort
 
-    from device.preprocess import normalise
+    from deepco_device.preprocess import normalise
 
     whole = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
     name = whole.get_inputs()[0].name
@@ -290,9 +290,9 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
 def run(args: argparse.Namespace) -> int:
     """Camera cgroup, servers, clip and model up; the device runs every plan; compare, draw, clean up."""
     from deepco import zoo
-    from device.preprocess import preprocessing_for
-    from device.run_command import parse_size
-    from device.sources import make_pan_zoom_clip
+    from deepco_device.preprocess import preprocessing_for
+    from deepco_device.run_command import parse_size
+    from deepco_device.sources import make_pan_zoom_clip
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
                     "width": width, "cgroup": str(cgroup) if cgroup else None, "outputs": str(tmp / "outputs.npz"),
                     "results": str(tmp / "results.json")}
             (tmp / "spec.json").write_text(json.dumps(spec))
-            device = subprocess.run([sys.executable, "-m", "device.demo", "--worker", str(tmp / "spec.json")])
+            device = subprocess.run([sys.executable, "-m", "deepco_device.demo", "--worker", str(tmp / "spec.json")])
             if device.returncode != 0:
                 raise UserError(f"demo: the device process failed (exit {device.returncode}; see above)")
         print("demo: servers stopped" + ("; camera cgroup removed" if cgroup else ""), flush=True)

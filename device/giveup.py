@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from deepco.errors import UserError
 
 if TYPE_CHECKING:  # `deepco run`'s flags import this module; keep the CLI's start light
-    from device.records import FrameResult
+    from deepco_device.records import FrameResult
 
 GIVE_UP_AFTER = 60.0  # seconds with frames in flight and none succeeding (above every server deadline)
 MAX_FAILED_FRAMES = 10  # failed frames in a row

@@ -33,8 +33,8 @@ from deepco.planning.modnn import receives, sends
 from deepco.planning.rows import Node, abstract_instance, association
 from deepco.planning.staged import StagedPlan
 from deepco.wire import deepco_service_pb2 as dpb
-from device.session import Device
-from device.staged import StagedRunner
+from deepco_device.session import Device
+from deepco_device.staged import StagedRunner
 
 ALGORITHMS = ("modnn-sa", "modnn-ma")
 

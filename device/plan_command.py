@@ -18,8 +18,8 @@ from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
 from deepco.wire.client import ServerError
-from device.run_command import parse_size
-from device.session import ALGORITHMS, Device
+from deepco_device.run_command import parse_size
+from deepco_device.session import ALGORITHMS, Device
 
 
 def run(args: argparse.Namespace) -> int:

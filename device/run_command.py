@@ -14,7 +14,7 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
-from device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
+from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -64,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device, stream the source through the plan, report."""
-    from device.preprocess import normalise, pixels
-    from device.session import Device
-    from device.sources import first_frame_check, open_source
+    from deepco_device.preprocess import normalise, pixels
+    from deepco_device.session import Device
+    from deepco_device.sources import first_frame_check, open_source
 
     height, width = parse_size(args.input_size)
     if args.frames is not None and args.frames <= 0:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
             if staged:
-                from device.staged import StagedPlanner, StagedRunner
+                from deepco_device.staged import StagedPlanner, StagedRunner
 
                 planner = StagedPlanner(dev)
                 plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
@@ -182,7 +182,7 @@ class Outputs:
 
     def frame(self, index: int, output: np.ndarray) -> str:
         """Show or save one frame's output; the text for its line."""
-        from device.preprocess import top_labels
+        from deepco_device.preprocess import top_labels
 
         mode = self.mode if self.mode != "auto" else ("labels" if output.size == 1000 else "shape")
         if mode == "labels":

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from server.rpc import behavior, rebuild, split_method
+from deepco_server.rpc import behavior, rebuild, split_method
 
 STREAM_METHODS = frozenset({
     "/grpc.health.v1.Health/Watch",

@@ -46,8 +46,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from deepco.wire.tensors import TensorError
-from server.models import Registry
-from server.rpc import behavior, rebuild, split_method
+from deepco_server.models import Registry
+from deepco_server.rpc import behavior, rebuild, split_method
 
 rpc_log = logging.getLogger("deepco.serve.rpc")
 

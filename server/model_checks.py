@@ -25,7 +25,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, shape_inference
 
-from server.errors import RequestError, invalid
+from deepco_server.errors import RequestError, invalid
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 30  # tensors of one request alive at once (inputs, intermediates, outputs)
 SMALL_INITIALIZER_BYTES = 4096  # kept in the shape-inference skeleton: shapes, pads, axes live in these

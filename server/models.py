@@ -23,8 +23,8 @@ from onnx import TensorProto, helper
 
 from deepco.errors import UserError
 from deepco.wire.tensors import DATATYPES, ORT_TYPES, numpy_dtype
-from server.errors import RequestError, invalid
-from server.model_checks import (
+from deepco_server.errors import RequestError, invalid
+from deepco_server.model_checks import (
     DEFAULT_MAX_REQUEST_BYTES,
     SizeBound,
     check_no_external_data,

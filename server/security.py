@@ -27,7 +27,7 @@ import grpc
 
 from deepco.errors import UserError
 from deepco.wire.security import ChannelSecurity, check_token, read_pem
-from server.rpc import refusal
+from deepco_server.rpc import refusal
 
 # Callable without a token: liveness/readiness probes carry no secrets and must work for orchestrators.
 # They are unary and answered at once; Health/Watch, a stream that holds a worker thread while open, needs

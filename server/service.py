@@ -20,10 +20,10 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
-from server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
-from server.modnn import ModnnService, parse_request
-from server.security import client_identity
-from server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
+from deepco_server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
+from deepco_server.modnn import ModnnService, parse_request
+from deepco_server.security import client_identity
+from deepco_server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
 
 log = logging.getLogger("deepco.serve")
 

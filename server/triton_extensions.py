@@ -19,7 +19,7 @@ import numpy as np
 
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.tensors import bytes_raw
-from server.models import PLATFORM, LoadedModel, invalid
+from deepco_server.models import PLATFORM, LoadedModel, invalid
 
 BACKEND = "onnxruntime"
 # What ServerMetadata lists as served, in Triton's names (besides DeepCo's own key=value facts).

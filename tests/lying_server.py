@@ -20,13 +20,13 @@ import threading
 
 import numpy as np
 
-import server.app
+import deepco_server.app
 from deepco.cli import main
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.tensors import add_output, decode_outputs
-from server.service import DeepcoServicer
+from deepco_server.service import DeepcoServicer
 
 LIES = ("shape", "dtype", "rows", "garbage")
 lying = threading.Event()
@@ -91,5 +91,5 @@ if __name__ == "__main__":
     if rest[:1] == ["--"]:
         rest = rest[1:]
     signal.signal(signal.SIGUSR1, lambda *_: lying.set())
-    server.app.DeepcoServicer = lying_servicer(lie)
+    deepco_server.app.DeepcoServicer = lying_servicer(lie)
     sys.exit(main(["serve", *rest]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -37,7 +38,7 @@ def test_a_closed_stdout_ends_quietly_without_a_traceback() -> None:
 def test_every_bench_flag_says_what_it_does_and_its_default() -> None:
     import argparse
 
-    from device import bench_command
+    from deepco_device import bench_command
 
     parser = argparse.ArgumentParser()
     bench_command.add_arguments(parser)
@@ -45,3 +46,18 @@ def test_every_bench_flag_says_what_it_does_and_its_default() -> None:
     assert len(flags) >= 15
     for action in flags:
         assert action.help and "default" in action.help, action.option_strings
+
+
+def test_server_and_device_install_under_distinctive_names(tmp_path):
+    """Outside the source tree, `server` and `device` are not importable (a user's own modules of those names
+    are not shadowed, nor do they shadow ours): the installed packages are deepco_server and deepco_device."""
+    probe = ("import importlib.util as u; "
+             "print([u.find_spec(n) is not None for n in ('server', 'device', 'deepco_server', 'deepco_device')])")
+    (tmp_path / "device.py").write_text("raise SystemExit('a user module called device.py was imported')\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[False, True, True, True]"  # device: the user's own file in cwd, not ours
+    ran = subprocess.run([sys.executable, "-m", "deepco", "--version"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert ran.returncode == 0 and ran.stdout.startswith("deepco ")

@@ -12,7 +12,7 @@ import pytest
 from test_server_support import ROOT
 
 from deepco.testbed import ServerSpec, Testbed, TestbedSpec, kernel_emulation_available
-from device.sources import make_pan_zoom_clip
+from deepco_device.sources import make_pan_zoom_clip
 
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 

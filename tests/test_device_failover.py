@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from test_server_support import ROOT, serve_process
 
-from device.sources import make_pan_zoom_clip
+from deepco_device.sources import make_pan_zoom_clip
 
 FRAMES = 60
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"

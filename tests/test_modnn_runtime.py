@@ -18,9 +18,9 @@ from deepco.cluster import parse_cluster
 from deepco.errors import UserError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import InferenceClient, ServerError
-from device.modnn import ModnnRunner
-from device.preprocess import normalise
-from device.session import Device
+from deepco_device.modnn import ModnnRunner
+from deepco_device.preprocess import normalise
+from deepco_device.session import Device
 
 
 @pytest.fixture(scope="module")

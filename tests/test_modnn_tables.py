@@ -126,8 +126,8 @@ def test_segment_windows_are_checked():
 def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
     import grpc
 
-    from server.models import RequestError
-    from server.modnn import Mailboxes
+    from deepco_server.models import RequestError
+    from deepco_server.modnn import Mailboxes
 
     boxes = Mailboxes(max_jobs=1, max_mailboxes=2, max_bytes=64)
     rows = np.zeros((1, 1, 2, 4), np.float32)  # 32 bytes
@@ -163,8 +163,8 @@ def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
 def test_mailboxes_admit_jobs_only_while_their_threads_fit():
     import grpc
 
-    from server.models import RequestError
-    from server.modnn import Mailboxes
+    from deepco_server.models import RequestError
+    from deepco_server.modnn import Mailboxes
 
     boxes = Mailboxes(max_jobs=4, threads=6)
     boxes.claim("a", 3)

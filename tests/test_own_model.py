@@ -20,7 +20,7 @@ import torch
 from test_server_support import ROOT, serve_process
 from torch import nn
 
-from device.sources import make_pan_zoom_clip
+from deepco_device.sources import make_pan_zoom_clip
 
 FRAMES = 3
 H, W = 96, 128

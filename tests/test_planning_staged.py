@@ -20,7 +20,7 @@ from deepco.planning.staged import (
     split_plan,
     throughput,
 )
-from device.benchmark import bound
+from deepco_device.benchmark import bound
 
 H, W = 64, 96
 

@@ -30,8 +30,8 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import encode_request
-from server.app import ServeConfig, Server
-from server.security import ServerSecurity
+from deepco_server.app import ServeConfig, Server
+from deepco_server.security import ServerSecurity
 
 MODEL = conv_model(channels=(3, 4))
 POISON = conv_model(channels=(3, 4), seed=7)
@@ -332,7 +332,7 @@ def test_modnn_peers_outside_the_allow_list_are_refused(server: Server) -> None:
 
 
 def test_metrics_token_and_warning() -> None:
-    from server.security import metrics_warning
+    from deepco_server.security import metrics_warning
 
     assert metrics_warning(9090, "0.0.0.0", None) is not None
     assert metrics_warning(9090, "0.0.0.0", "secret") is None and metrics_warning(9090, "127.0.0.1", None) is None

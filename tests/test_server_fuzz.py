@@ -25,7 +25,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.tensors import encode_request
-from server.app import ServeConfig, Server
+from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model(channels=(3, 4))
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND

@@ -16,7 +16,7 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.tensors import encode_request
-from server.app import ServeConfig, Server
+from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model()
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -12,7 +12,7 @@ import pytest
 from test_server_support import HEAVY_SHAPE, conv_model, heavy_model, reference
 
 from deepco.wire.client import InferenceClient, ServerError
-from server.app import ServeConfig, Server
+from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model()
 

@@ -23,8 +23,8 @@ from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire import security as wire_security
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity, make_channel
-from server.app import ServeConfig, Server
-from server.security import ServerSecurity, is_loopback, plaintext_warning
+from deepco_server.app import ServeConfig, Server
+from deepco_server.security import ServerSecurity, is_loopback, plaintext_warning
 
 MODEL = conv_model(channels=(3, 4))
 TOKEN = "t0ken-for-tests"

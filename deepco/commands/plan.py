@@ -17,7 +17,7 @@ from deepco.cluster import load_cluster
 from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
 from deepco.wire import security
 
-DRY_RUN = "device.plan_command"
+DRY_RUN = "deepco_device.plan_command"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
