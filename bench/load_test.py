@@ -21,7 +21,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-
 from deepco_device.demo import grace_hopper, local_servers, write_cluster
 from deepco_device.sources import make_pan_zoom_clip
 

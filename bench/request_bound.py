@@ -13,7 +13,6 @@ import sys
 import time
 
 import onnx
-
 from deepco_server.model_checks import SizeBound
 
 

@@ -117,7 +117,6 @@ def main() -> None:
     a = ap.parse_args()
     import cv2
     import numpy as np
-
     from deepco_device.sources import make_pan_zoom_clip
 
     models = load_models()

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
+from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
+from deepco_device.session import Device
 from tqdm import tqdm
 
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
-from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
-from deepco_device.session import Device
 
 WARMUP_FRAMES = 2
 SETTLE_SECONDS = 0.03  # three CFS periods between frames: every quota starts a frame refilled

@@ -141,11 +141,12 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
 # ---- the device (child process) -------------------------------------------------------------------------
 def worker(spec_path: str) -> int:
     """The device: join the camera's cgroup, set up once, run every plan over the clip, write the results."""
-    from deepco.cluster import load_cluster
     from deepco_device.preprocess import pixels, preprocessing_for
     from deepco_device.session import Device
     from deepco_device.sources import open_source
     from deepco_device.staged import StagedPlanner, StagedRunner
+
+    from deepco.cluster import load_cluster
 
     spec = json.loads(Path(spec_path).read_text())
     if spec["cgroup"]:  # from here on every instruction of the device runs under the quota
@@ -186,7 +187,6 @@ def worker(spec_path: str) -> int:
 def compare(results: dict, data: dict, model_path: Path, how) -> list[dict]:
     """One row per plan: p50/p95 latency, fps (one frame at a time), worst relative error vs the whole model."""
     import onnxruntime as ort
-
     from deepco_device.preprocess import normalise
 
     whole = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
@@ -289,10 +289,11 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
 
 def run(args: argparse.Namespace) -> int:
     """Camera cgroup, servers, clip and model up; the device runs every plan; compare, draw, clean up."""
-    from deepco import zoo
     from deepco_device.preprocess import preprocessing_for
     from deepco_device.run_command import parse_size
     from deepco_device.sources import make_pan_zoom_clip
+
+    from deepco import zoo
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from deepco_device.session import Device
+from deepco_device.staged import StagedRunner
 
 from deepco.errors import UserError
 from deepco.partition import Segment
@@ -33,8 +35,6 @@ from deepco.planning.modnn import receives, sends
 from deepco.planning.rows import Node, abstract_instance, association
 from deepco.planning.staged import StagedPlan
 from deepco.wire import deepco_service_pb2 as dpb
-from deepco_device.session import Device
-from deepco_device.staged import StagedRunner
 
 ALGORITHMS = ("modnn-sa", "modnn-ma")
 

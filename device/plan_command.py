@@ -13,13 +13,14 @@ import json
 import sys
 from dataclasses import asdict
 
+from deepco_device.run_command import parse_size
+from deepco_device.session import ALGORITHMS, Device
+
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
 from deepco.wire.client import ServerError
-from deepco_device.run_command import parse_size
-from deepco_device.session import ALGORITHMS, Device
 
 
 def run(args: argparse.Namespace) -> int:

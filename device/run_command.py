@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
-from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -27,6 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import onnxruntime as ort
+from deepco_device.answers import check_tensor, only_output, value_dtype
+from deepco_device.giveup import TICK, GiveUp
+from deepco_device.lifecycle import Uploads, check_capacity
+from deepco_device.preprocess import Preprocessing, preprocessing_for
+from deepco_device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 from deepco.cluster import Cluster
 from deepco.errors import UserError
@@ -38,11 +43,6 @@ from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, as
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError, WrongAnswer
 from deepco.wire.security import ChannelSecurity
-from deepco_device.answers import check_tensor, only_output, value_dtype
-from deepco_device.giveup import TICK, GiveUp
-from deepco_device.lifecycle import Uploads, check_capacity
-from deepco_device.preprocess import Preprocessing, preprocessing_for
-from deepco_device.records import FrameResult, InFlightFrame, Measurements, ServerTiming
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
 PROBE_BYTES = 1 << 20

@@ -30,6 +30,10 @@ from typing import Any
 
 import grpc
 import numpy as np
+from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
+from deepco_device.giveup import TICK, GaveUp, GiveUp
+from deepco_device.records import FrameResult
+from deepco_device.session import BUSY_BACKOFF, PROBE_SECONDS, Device, _session
 
 from deepco.errors import UserError
 from deepco.planning.modnn import NOT_A_SERVER
@@ -38,10 +42,6 @@ from deepco.planning.staged import DEVICE, CostModel, StagedPlan, best_offload, 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, WrongAnswer
 from deepco.wire.rows import encode_rows
-from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
-from deepco_device.giveup import TICK, GaveUp, GiveUp
-from deepco_device.records import FrameResult
-from deepco_device.session import BUSY_BACKOFF, PROBE_SECONDS, Device, _session
 
 MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
 

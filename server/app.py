@@ -9,12 +9,6 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from deepco.errors import UserError
-from deepco.wire import GRPC_MESSAGE_OPTIONS
-from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
-from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco_server import logs
 from deepco_server.budgets import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_STREAMS, BudgetInterceptor
 from deepco_server.metrics import CountingExecutor, Metrics, ObservingInterceptor
@@ -22,6 +16,12 @@ from deepco_server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from deepco_server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
 from deepco_server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
 from deepco_server.service import Admission, DeepcoServicer, InferenceServicer, ServerState
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from deepco.errors import UserError
+from deepco.wire import GRPC_MESSAGE_OPTIONS
+from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
+from deepco.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("deepco.serve")
 

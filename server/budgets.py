@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-
 from deepco_server.rpc import behavior, rebuild, split_method
 
 STREAM_METHODS = frozenset({

@@ -106,9 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
     # Imported here so that `deepco --help` and the other commands do not load gRPC and ONNX Runtime.
-    from deepco.wire.security import read_token_file
     from deepco_server.app import ServeConfig, serve
     from deepco_server.security import ServerSecurity
+
+    from deepco.wire.security import read_token_file
 
     token = read_token_file(args.token_file) if args.token_file is not None else args.token
     security = ServerSecurity(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, token=token)

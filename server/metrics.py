@@ -33,6 +33,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
+from deepco_server.models import Registry
+from deepco_server.rpc import behavior, rebuild, split_method
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -46,8 +48,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from deepco.wire.tensors import TensorError
-from deepco_server.models import Registry
-from deepco_server.rpc import behavior, rebuild, split_method
 
 rpc_log = logging.getLogger("deepco.serve.rpc")
 

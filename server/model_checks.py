@@ -22,10 +22,9 @@ from collections.abc import Iterator, Mapping
 
 import grpc
 import onnx
+from deepco_server.errors import RequestError, invalid
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, shape_inference
-
-from deepco_server.errors import RequestError, invalid
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 30  # tensors of one request alive at once (inputs, intermediates, outputs)
 SMALL_INITIALIZER_BYTES = 4096  # kept in the shape-inference skeleton: shapes, pads, axes live in these

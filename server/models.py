@@ -19,10 +19,6 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
-
-from deepco.errors import UserError
-from deepco.wire.tensors import DATATYPES, ORT_TYPES, numpy_dtype
 from deepco_server.errors import RequestError, invalid
 from deepco_server.model_checks import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -31,6 +27,10 @@ from deepco_server.model_checks import (
     check_no_subgraphs,
     parse_model,
 )
+from onnx import TensorProto, helper
+
+from deepco.errors import UserError
+from deepco.wire.tensors import DATATYPES, ORT_TYPES, numpy_dtype
 
 log = logging.getLogger("deepco.serve")
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from deepco_server.models import Registry, RequestError, invalid
+from deepco_server.security import is_loopback
 
 from deepco.planning.modnn import NOT_A_SERVER, check_tables, receives, sends
 from deepco.planning.plan import PlanningError
@@ -38,8 +40,6 @@ from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.security import make_channel
 from deepco.wire.tensors import TensorError
-from deepco_server.models import Registry, RequestError, invalid
-from deepco_server.security import is_loopback
 
 MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
 MAX_MAILBOXES = 16  # running jobs' plus those peers opened first (expiring after ORPHAN_SECONDS)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from deepco_server.rpc import refusal
 
 from deepco.errors import UserError
 from deepco.wire.security import ChannelSecurity, check_token, read_pem
-from deepco_server.rpc import refusal
 
 # Callable without a token: liveness/readiness probes carry no secrets and must work for orchestrators.
 # They are unary and answered at once; Health/Watch, a stream that holds a worker thread while open, needs

@@ -12,6 +12,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+from deepco_server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
+from deepco_server.modnn import ModnnService, parse_request
+from deepco_server.security import client_identity
+from deepco_server.triton_extensions import (
+    EXTENSIONS,
+    Statistics,
+    add_classification,
+    classification_counts,
+    model_config,
+)
 
 import deepco
 from deepco.wire import deepco_service_pb2 as dpb
@@ -20,10 +30,6 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
-from deepco_server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
-from deepco_server.modnn import ModnnService, parse_request
-from deepco_server.security import client_identity
-from deepco_server.triton_extensions import EXTENSIONS, Statistics, add_classification, classification_counts, model_config
 
 log = logging.getLogger("deepco.serve")
 

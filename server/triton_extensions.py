@@ -16,10 +16,10 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+from deepco_server.models import PLATFORM, LoadedModel, invalid
 
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.tensors import bytes_raw
-from deepco_server.models import PLATFORM, LoadedModel, invalid
 
 BACKEND = "onnxruntime"
 # What ServerMetadata lists as served, in Triton's names (besides DeepCo's own key=value facts).

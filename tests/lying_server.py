@@ -18,15 +18,15 @@ import signal
 import sys
 import threading
 
-import numpy as np
-
 import deepco_server.app
+import numpy as np
+from deepco_server.service import DeepcoServicer
+
 from deepco.cli import main
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.tensors import add_output, decode_outputs
-from deepco_server.service import DeepcoServicer
 
 LIES = ("shape", "dtype", "rows", "garbage")
 lying = threading.Event()

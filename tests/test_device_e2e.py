@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from deepco_device.sources import make_pan_zoom_clip
 from test_server_support import ROOT, serve_process
 
 from deepco.wire.client import InferenceClient
-from deepco_device.sources import make_pan_zoom_clip
 
 FRAMES = 3
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from test_server_support import ROOT, serve_process
-
 from deepco_device.sources import make_pan_zoom_clip
+from test_server_support import ROOT, serve_process
 
 FRAMES = 60
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"

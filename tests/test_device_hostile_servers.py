@@ -24,18 +24,18 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from test_server_support import ROOT, ServeProcess, serve_process
-
-from deepco.cluster import parse_cluster
-from deepco.errors import UserError
-from deepco.planning.staged import offload_plan, split_plan
-from deepco.wire.client import WrongAnswer
 from deepco_device.giveup import GiveUp
 from deepco_device.modnn import ModnnRunner
 from deepco_device.preprocess import normalise
 from deepco_device.session import Device
 from deepco_device.sources import make_pan_zoom_clip
 from deepco_device.staged import StagedPlanner, StagedRunner
+from test_server_support import ROOT, ServeProcess, serve_process
+
+from deepco.cluster import parse_cluster
+from deepco.errors import UserError
+from deepco.planning.staged import offload_plan, split_plan
+from deepco.wire.client import WrongAnswer
 
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 SIZE = "96x128"

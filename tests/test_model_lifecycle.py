@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from deepco_device.sources import make_pan_zoom_clip
 from test_server_support import ROOT, conv_model, serve_process
 
 from deepco.wire.client import InferenceClient
-from deepco_device.sources import make_pan_zoom_clip
 
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 SIZE = "64x80"
@@ -136,8 +136,9 @@ def test_models_command_lists_and_clears(servers, setup) -> None:
 
 
 def test_capacity_check_before_setup(servers) -> None:
-    from deepco.errors import UserError
     from deepco_device.lifecycle import check_capacity
+
+    from deepco.errors import UserError
 
     with InferenceClient(servers[0].address) as c:
         check_capacity(c, 8)  # `deepco serve`'s default --max-models 8, none loaded

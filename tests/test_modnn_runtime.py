@@ -12,15 +12,15 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
+from deepco_device.modnn import ModnnRunner
+from deepco_device.preprocess import normalise
+from deepco_device.session import Device
 from test_server_support import serve_process
 
 from deepco.cluster import parse_cluster
 from deepco.errors import UserError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import InferenceClient, ServerError
-from deepco_device.modnn import ModnnRunner
-from deepco_device.preprocess import normalise
-from deepco_device.session import Device
 
 
 @pytest.fixture(scope="module")

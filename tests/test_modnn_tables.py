@@ -125,7 +125,6 @@ def test_segment_windows_are_checked():
 
 def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
     import grpc
-
     from deepco_server.models import RequestError
     from deepco_server.modnn import Mailboxes
 
@@ -162,7 +161,6 @@ def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
 
 def test_mailboxes_admit_jobs_only_while_their_threads_fit():
     import grpc
-
     from deepco_server.models import RequestError
     from deepco_server.modnn import Mailboxes
 

@@ -17,10 +17,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from deepco_device.sources import make_pan_zoom_clip
 from test_server_support import ROOT, serve_process
 from torch import nn
-
-from deepco_device.sources import make_pan_zoom_clip
 
 FRAMES = 3
 H, W = 96, 128

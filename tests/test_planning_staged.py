@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from deepco_device.benchmark import bound
 
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
@@ -20,7 +21,6 @@ from deepco.planning.staged import (
     split_plan,
     throughput,
 )
-from deepco_device.benchmark import bound
 
 H, W = 64, 96
 

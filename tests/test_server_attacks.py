@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from deepco_server.app import ServeConfig, Server
+from deepco_server.security import ServerSecurity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
 from test_server_support import ROOT, conv_model, reference, serve_process
@@ -30,8 +32,6 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import encode_request
-from deepco_server.app import ServeConfig, Server
-from deepco_server.security import ServerSecurity
 
 MODEL = conv_model(channels=(3, 4))
 POISON = conv_model(channels=(3, 4), seed=7)

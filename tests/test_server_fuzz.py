@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from deepco_server.app import ServeConfig, Server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server_attacks import bombs, nested_if, reader_models
@@ -25,7 +26,6 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.tensors import encode_request
-from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model(channels=(3, 4))
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND

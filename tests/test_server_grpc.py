@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
+from deepco_server.app import ServeConfig, Server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_server_support import HEAVY_SHAPE, conv_model, heavy_model, reference
 
@@ -16,7 +17,6 @@ from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.tensors import encode_request
-from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model()
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

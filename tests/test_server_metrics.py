@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
+from deepco_server.app import ServeConfig, Server
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_support import conv_model, serve_process
 
 from deepco.wire.client import InferenceClient, ServerError
-from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model(channels=(3, 4))
 SERVICE = "inference.GRPCInferenceService"

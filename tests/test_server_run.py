@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
+from deepco_server.app import ServeConfig, Server
 from test_server_support import HEAVY_SHAPE, conv_model, heavy_model, reference
 
 from deepco.wire.client import InferenceClient, ServerError
-from deepco_server.app import ServeConfig, Server
 
 MODEL = conv_model()
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from deepco_server.app import ServeConfig, Server
+from deepco_server.security import ServerSecurity, is_loopback, plaintext_warning
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_server_support import ROOT, conv_model, reference, serve_process
 from tls_support import Certs, make_certs
@@ -23,8 +25,6 @@ from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire import security as wire_security
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity, make_channel
-from deepco_server.app import ServeConfig, Server
-from deepco_server.security import ServerSecurity, is_loopback, plaintext_warning
 
 MODEL = conv_model(channels=(3, 4))
 TOKEN = "t0ken-for-tests"

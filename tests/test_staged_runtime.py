@@ -9,13 +9,13 @@ import contextlib
 import numpy as np
 import onnxruntime as ort
 import pytest
+from deepco_device.preprocess import normalise
+from deepco_device.session import Device
+from deepco_device.staged import StagedPlanner, StagedRunner
 from test_server_support import serve_process
 
 from deepco.cluster import parse_cluster
 from deepco.planning.staged import DEVICE, split_plan
-from deepco_device.preprocess import normalise
-from deepco_device.session import Device
-from deepco_device.staged import StagedPlanner, StagedRunner
 
 
 @pytest.fixture(scope="module")
