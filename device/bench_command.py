@@ -74,12 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="independent repetitions (testbed, setup and plan each time); tables give medians "
                         "(default 1)")
-    p.add_argument("--cut", default="auto", help="THREAD's cut (default auto)")
-    p.add_argument("--sweep", choices=list(SWEEPS), default=None, help="repeat over a range of one parameter")
+    p.add_argument("--cut", default="auto", help="THREAD's cut name (see `deepco partition`) or auto (default auto)")
+    p.add_argument("--sweep", choices=list(SWEEPS), default=None, help="repeat over a range: bandwidth 25..400 Mbit/s, capacity x0.5..x2 (every server's CPU "
+                        "share), antennas 1..4, servers 1..4 (default: one point)")
     p.add_argument("--json", metavar="FILE",
                    help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
-    p.add_argument("--plot", metavar="FILE.png", help="write a plot")
-    p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of measured and predicted latency (default: none)")
+    p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing; default: "
+                   "only without root, tc or a cpu cgroup)")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds one testbed run may take (default 1200)")
     modelcard.add_arguments(p)
