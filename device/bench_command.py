@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="independent repetitions (testbed, setup and plan each time); tables give medians "
                         "(default 1)")
     p.add_argument("--cut", default="auto", help="THREAD's cut name (see `deepco partition`) or auto (default auto)")
-    p.add_argument("--sweep", choices=list(SWEEPS), default=None, help="repeat over a range: bandwidth 25..400 Mbit/s, capacity x0.5..x2 (every server's CPU "
+    p.add_argument("--sweep", choices=list(SWEEPS), default=None,
+                   help="repeat over a range: bandwidth 25..400 Mbit/s, capacity x0.5..x2 (every server's CPU "
                         "share), antennas 1..4, servers 1..4 (default: one point)")
     p.add_argument("--json", metavar="FILE",
                    help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
