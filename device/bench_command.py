@@ -211,6 +211,9 @@ def aggregate(runs: list[dict]) -> dict:
                     "max_relative_error": max(e["max_relative_error"] for e in entries),
                     "frames": sum(e["frames"] for e in entries),
                     "plan_text": [e.get("plan_text", "") for e in entries]})
+        for key in ("servers", "plan"):  # the first repeat's plan (each repeat's is in "runs")
+            if key in entries[0]:
+                agg[key] = entries[0][key]
         point["algorithms"][name] = agg
     point["runs"] = runs
     return point

@@ -60,7 +60,7 @@ def _loaded(servers) -> list[list[str]]:
 def _run_args(setup, frames: int) -> list[str]:
     cluster, model, clip = setup
     return ["run", "--cluster", str(cluster), "--model", str(model), "--input-size", SIZE, "--source", str(clip),
-            "--frames", str(frames), "--cut", "layer1", "--quiet"]
+            "--frames", str(frames), "--algorithm", "thread", "--cut", "layer1", "--quiet"]
 
 
 def _start_run(setup) -> subprocess.Popen:
