@@ -76,7 +76,8 @@ def test_a_split_plans_tables_tile_every_level_and_the_device_sends_windows(cost
 
 def test_the_physical_bound_is_the_formula():
     device = SimpleNamespace(
-        height=10, width=20, channels=3, partitioner=SimpleNamespace(graph=SimpleNamespace(itemsize=1), total_flops=6e9),
+        height=10, width=20, channels=3,
+        partitioner=SimpleNamespace(graph=SimpleNamespace(itemsize=1), total_flops=6e9),
         measured=SimpleNamespace(antenna_bytes_per_second=[100.0, 200.0], server_flops_per_second={"a": 1e9},
                                  device_flops_per_second=2e9))
     b = bound(device)
