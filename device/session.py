@@ -46,6 +46,7 @@ from deepco.wire.security import ChannelSecurity
 
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
 PROBE_BYTES = 1 << 20
+PEER_PROBE_BYTES = 4 << 20  # server to server: larger, the links may be a LAN
 PROBE_SECONDS = 0.5  # how often a down server is asked whether it is back
 MIN_DEADLINE = 2.0  # seconds a slice may always take (start-up hiccups, a slow first run)
 DEADLINE_FACTOR = 10.0  # ... or this many times the plan's frame time, if longer
@@ -210,12 +211,14 @@ class Device:
         samples = []
         for a, b in ((0, 1), (1, 0)):
             try:
-                small, large = self.client(a, 0).probe_peer(self.cluster.address_on(servers[b], 0), PROBE_BYTES)
+                small, large = self.client(a, 0).probe_peer(self.cluster.address_on(servers[b], 0), PEER_PROBE_BYTES)
             except ServerError as exc:
                 self.log(f"peer probe {servers[a].name} -> {servers[b].name} failed ({exc}); "
                          "assuming the antennas' bandwidth between servers")
                 return 0.0, 0.0
-            samples.append((PROBE_BYTES / max(large - small, 1e-6), small))
+            # On a fast LAN a megabyte crosses in about the jitter of the small round trip: attribute at least
+            # half of the large round trip to the transfer, or the difference can be ~0 and the rate absurd
+            samples.append((PEER_PROBE_BYTES / max(large - small, 0.5 * large), small))
         return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
 
     def _plan_at(self, cut: Cut, algorithm: str, exclude: set[str] | frozenset = frozenset()) -> RowPlan:
