@@ -40,6 +40,7 @@ from deepco.partition import Cut, Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning import make_plan
 from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
+from deepco.planning.staged import MIN_STAGE_FLOPS
 from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError, WrongAnswer
 from deepco.wire.security import ChannelSecurity
@@ -150,7 +151,7 @@ class Device:
         self.partitioner = p = Partitioner(self.model, self.height, self.width)
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
         if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
-            cuts = [c for c in cuts if c.head_flops >= 0.01 * p.total_flops] or cuts
+            cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
         for k in range(len(self.cluster.servers)):
             self.client(k, 0).wait_ready(timeout=10.0)
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from deepco.planning.modnn import receives
+from deepco.planning.modnn import ownership, receives
 from deepco.planning.plan import PlanningError
 
 Interval = tuple[int, int]
@@ -160,19 +160,12 @@ class CostModel:
         return self.p.cut(level).tail_flops
 
 
-def bands_for(weights: Sequence[float], heights: Sequence[int]) -> list[list[Interval]]:
-    """Contiguous bands per level, proportional to ``weights``, at least one row each (None if impossible)."""
-    from deepco.planning.modnn import ownership
-
-    return ownership(weights, heights)
-
-
 def tables(costs: CostModel, levels: Sequence[str], weights: Sequence[float],
            lookahead: bool) -> tuple[list, list, list]:
     """(bands, windows, crops) for every level; windows[0] is what the device sends each participant."""
     names: list[str | None] = [None, *levels]
     heights = [costs.height_of(n) for n in names]
-    bands = bands_for(weights, heights)
+    bands = ownership(weights, heights)
     windows: list[list[Interval]] = [[]]
     crops: list[list[int]] = [[]]
     for j in range(1, len(names)):
@@ -404,7 +397,7 @@ def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source
     compute, on capacity-proportional bands (the exact simulation ranks the finished plans)."""
     weights = [rates.server_flops_per_second[s] for s in chosen]
     try:
-        bands = bands_for(weights, [costs.height_of(source), costs.height_of(target)])
+        bands = ownership(weights, [costs.height_of(source), costs.height_of(target)])
     except PlanningError:
         return math.inf
     worst = 0.0
