@@ -411,16 +411,8 @@ class ModnnService:
                 if mine[0] < mine[1]:
                     pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
                 waited = time.perf_counter()
-                for peer, (a, b) in job.receives(level).items():
-                    array, start = self._wait(job, level, peer, outgoing, context)
-                    if start != a or array.shape[2] != b - a or array.shape[:2] != band.shape[:2] \
-                            or array.shape[3] != band.shape[3]:
-                        raise invalid(f"MoDNN job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows "
-                                      f"[{start}, {start + array.shape[2]}) shape {list(array.shape)} of level "
-                                      f"{level}, expected rows [{a}, {b})")
-                    pieces.append((a, array))
-                    result.messages_received += 1
-                    result.bytes_received += array.nbytes
+                for peer, rows in job.receives(level).items():
+                    pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, context, result)))
                 result.exchange_wait_seconds += time.perf_counter() - waited
                 pieces.sort(key=lambda p: p[0])
                 window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
@@ -476,18 +468,9 @@ class ModnnService:
         pieces = [(job.bands[-1][job.me][0], band)]
         waited = time.perf_counter()
         for peer in range(len(job.peers)):
-            if peer == job.me:
-                continue
-            array, start = self._wait(job, last, peer, outgoing, context)
-            a, b = job.bands[-1][peer]
-            if start != a or array.shape[2] != b - a or array.shape[:2] != band.shape[:2] \
-                    or array.shape[3] != band.shape[3]:
-                raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
-                              f"{start + array.shape[2]}) shape {list(array.shape)} of the last level, "
-                              f"expected rows [{a}, {b})")
-            pieces.append((a, array))
-            result.messages_received += 1
-            result.bytes_received += array.nbytes
+            if peer != job.me:
+                rows = job.bands[-1][peer]
+                pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, context, result)))
         result.exchange_wait_seconds += time.perf_counter() - waited
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
@@ -502,6 +485,21 @@ class ModnnService:
         if output.ndim != 4:  # Rows carry NCHW; a classifier's (1, classes) output travels as (1, classes, 1, 1)
             output = output.reshape(*output.shape, *([1] * (4 - output.ndim)))
         return np.ascontiguousarray(output)
+
+    def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
+              outgoing: dict[int, Outgoing], context: grpc.ServicerContext, result: dpb.ModnnResult) -> np.ndarray:
+        """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
+        the rows); counted in ``result``."""
+        a, b = rows
+        array, start = self._wait(job, level, peer, outgoing, context)
+        if start != a or array.shape[2] != b - a or array.shape[:2] != like.shape[:2] \
+                or array.shape[3] != like.shape[3]:
+            raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
+                          f"{start + array.shape[2]}) shape {list(array.shape)} of level {level}, expected rows "
+                          f"[{a}, {b})")
+        result.messages_received += 1
+        result.bytes_received += array.nbytes
+        return array
 
     def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
               context: grpc.ServicerContext) -> tuple[np.ndarray, int]:
