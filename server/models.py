@@ -370,9 +370,12 @@ class Registry:
             if key in self._models:
                 return self._same_or_refuse(self._models[key], version, sha256)
             self._check_room(name, len(model_bytes))  # fail early, before the (possibly slow) session build
-        proto = parse_model(model_bytes, name)
-        check_no_external_data(proto, name)
-        check_no_subgraphs(proto, name)
+        try:  # a string field that is not UTF-8 raises only when read, wherever that is (found by fuzzing)
+            proto = parse_model(model_bytes, name)
+            check_no_external_data(proto, name)
+            check_no_subgraphs(proto, name)
+        except UnicodeDecodeError:
+            raise invalid(f"model {name!r} is not a valid ONNX model (a name or string in it is not UTF-8)") from None
         try:
             # ORT is the judge of what it can run: a truncated file, an unknown operator or an invalid graph
             # all fail here, with ORT's own one-line reason.
@@ -384,7 +387,10 @@ class Registry:
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise invalid(f"model {name!r} is not a valid ONNX model (ONNX Runtime: {first[:300]})") from None
-        model.bound = SizeBound(proto, name, self.max_request_bytes, [s.name for s in model.inputs])
+        try:
+            model.bound = SizeBound(proto, name, self.max_request_bytes, [s.name for s in model.inputs])
+        except UnicodeDecodeError:
+            raise invalid(f"model {name!r} is not a valid ONNX model (a name or string in it is not UTF-8)") from None
         with self._lock:
             if key in self._models:  # another load of this name won the race
                 return self._same_or_refuse(self._models[key], version, sha256)

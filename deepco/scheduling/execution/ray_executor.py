@@ -189,6 +189,7 @@ class RayExecutor:
                 for s in self.jobs[jid].groups:
                     self._launch(jid, s, pending)
         self._wait(t, pending, quotas, begin, deadline)
+        self._top_up(t, quotas, begin, deadline)
         trained = time.time()
         self.timing["train"] += trained - placed
         done: dict[int, float] = {}
@@ -328,6 +329,24 @@ class RayExecutor:
                     ray.get(ref)
                 except ray.exceptions.RayError as exc:
                     self._recover(jid, server, inc, exc, quotas[jid], begin[jid], deadline, pending)
+
+    def _top_up(self, t: int, quotas: dict[int, int], begin: dict[int, int], deadline: float) -> None:
+        """A worker killed between taking a mini-batch and pushing its gradient leaves its job a step short
+        though every ticket was issued: issue what is missing again, a bounded number of times."""
+        for _ in range(MAX_FAILURES):
+            jobs = [self.jobs[j] for j in quotas]
+            status = self._on_each_ps(jobs, "status")
+            short = {ej.job.id: quotas[ej.job.id] - (int(st["steps"]) - begin[ej.job.id])
+                     for ej, st in zip(jobs, status, strict=True)}
+            short = {jid: q for jid, q in short.items() if q > 0}
+            if not short:
+                return
+            self._on_each_ps([self.jobs[j] for j in short], "begin_step", lambda ej, short=short: (short[ej.job.id], time.time()))
+            pending: dict[Any, tuple[int, int, int]] = {}
+            for jid in short:
+                for s in self.jobs[jid].groups:
+                    self._launch(jid, s, pending)
+            self._wait(t, pending, quotas, begin, max(deadline, time.time()))
 
     def _alive(self, handle: Any) -> bool:
         ray = self.ray
