@@ -341,7 +341,8 @@ class RayExecutor:
             short = {jid: q for jid, q in short.items() if q > 0}
             if not short:
                 return
-            self._on_each_ps([self.jobs[j] for j in short], "begin_step", lambda ej, short=short: (short[ej.job.id], time.time()))
+            self._on_each_ps([self.jobs[j] for j in short], "begin_step",
+                             lambda ej, short=short: (short[ej.job.id], time.time()))
             pending: dict[Any, tuple[int, int, int]] = {}
             for jid in short:
                 for s in self.jobs[jid].groups:
