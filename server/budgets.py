@@ -9,7 +9,7 @@ thread and nothing was answered, ServerReady included.
 
 - *streams* (Health/Watch, Run, ModnnRun, ModnnExchange): at most ``stream_slots`` at once; one that sees
   no message read or written for ``idle_seconds`` is cancelled, which frees its thread;
-- *work* (ModelInfer, Profile, RepositoryModelLoad, Echo): at most ``work_slots`` at once;
+- *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once;
 - *control* (the rest: ServerLive/ServerReady, Health/Check, metadata, index, unload): always admitted; they
   are short and the pool keeps threads beyond the two budgets for them.
 
@@ -38,6 +38,7 @@ WORK_METHODS = frozenset({
     "/inference.GRPCInferenceService/RepositoryModelLoad",
     "/deepco.DeepcoService/Profile",
     "/deepco.DeepcoService/Echo",
+    "/deepco.DeepcoService/ProbePeer",  # holds a thread while it dials a peer: bounded like the rest
 })
 DEFAULT_IDLE_SECONDS = 120.0
 # Streams open at once (--max-streams): a device keeps about --depth Run streams per server open, MoDNN a

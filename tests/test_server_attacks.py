@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -329,6 +330,34 @@ def test_modnn_peers_outside_the_allow_list_are_refused(server: Server) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(run(request, timeout=10))
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--peers" in info.value.details()
+
+
+def test_probe_peer_dials_only_allowed_peers_with_bounded_work(server: Server) -> None:
+    """ProbePeer makes the server dial an address with its own credentials: only loopback or --peers, a
+    bounded payload, and a flood of them leaves readiness answering."""
+    with InferenceClient(server.address, timeout=10) as c:
+        for peer, size, code in (("192.0.2.1:50051", 1 << 20, grpc.StatusCode.PERMISSION_DENIED),
+                                 ("nohost", 1 << 20, grpc.StatusCode.INVALID_ARGUMENT),
+                                 (server.address, 0, grpc.StatusCode.INVALID_ARGUMENT),
+                                 (server.address, 1 << 30, grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(ServerError) as info:
+                c.probe_peer(peer, size)
+            assert info.value.code == code, (peer, size, info.value.details)
+        small, large = c.probe_peer(server.address, 1 << 20)  # itself, over loopback: allowed
+        assert small > 0 and large > 0
+
+        def flood() -> None:
+            with contextlib.suppress(ServerError):
+                c.probe_peer("127.0.0.1:9", 1 << 20, runs=10)  # nothing listens: refused at once, ten times
+
+        threads = [threading.Thread(target=flood) for _ in range(32)]
+        for t in threads:
+            t.start()
+        start = time.monotonic()
+        assert c.server_ready(timeout=1.0) and time.monotonic() - start < 1.0
+        for t in threads:
+            t.join(timeout=30)
+        assert c.server_ready(timeout=1.0)
 
 
 def test_metrics_token_and_warning() -> None:
