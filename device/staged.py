@@ -171,8 +171,13 @@ class StagedPlanner:
             return self._repredict(plan)
         # The single fitted overhead can misjudge the plan kinds it was not fitted on (a weak camera's own
         # per-message CPU makes a split look slow, and the same overhead then sinks offload too): local and
-        # the best offload are timed as contenders, so auto is never slower than them as measured.
-        for contender in (self.named("local"), self.named("offload")):
+        # the best offload are timed as contenders, so auto is never slower than them as measured; so is the
+        # paper's shape (one lookahead stage, the tail on the device), which a model's FLOP count can misrank
+        # (EfficientNet's depthwise convolutions run at another rate than the profiled head).
+        contenders = [self.named("local"), self.named("offload")]
+        if self.servers():
+            contenders += self.plans(shapes="thread")[:1]
+        for contender in contenders:
             key = json.dumps(contender.to_dict() | {"predicted": 0, "breakdown": {}}, sort_keys=True)
             fastest = min(v[0] for v in measured.values())
             if contender.kind == "local" and contender.predicted > 2 * fastest:
