@@ -25,6 +25,7 @@ from pathlib import Path
 
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
+from deepco.plots import save_figure
 from deepco.scheduling import POLICIES, SimCluster, SimResult, Simulator, bind_delays, make_policy
 from deepco.scheduling.execution import command as execution
 from deepco.scheduling.jobs import Job
@@ -155,12 +156,7 @@ def plot(results: list[SimResult], path: str) -> None:
     ax2.set_ylabel("fraction of jobs")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise UserError(f"{path}: cannot write the plot: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def _write_json(path: str, rows: list[dict[str, object]]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from deepco.errors import UserError
+from deepco.plots import save_figure
 from deepco.scheduling.jobs import Job
 from deepco.scheduling.policies import POLICIES, make_policy
 from deepco.scheduling.simulator import SimulationError, Simulator
@@ -93,12 +94,7 @@ def plot_gantt(spans: list[tuple[int, str, str, float, float]], path: str, title
     handles = [matplotlib.patches.Patch(color=colors(i % 10), label=f"job {j}") for i, j in enumerate(jobs)]
     ax.legend(handles=handles, fontsize=7, loc="upper right")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise UserError(f"{path}: cannot write the plot: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_executed(args: argparse.Namespace, cluster: SimCluster, jobs: list[Job]) -> int:

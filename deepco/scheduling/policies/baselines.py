@@ -172,6 +172,14 @@ class _PriorityPreemptive(_Gang):
         self.first: dict[int, Allocation] = {}  # pinned: each job's one placement
         self.bound: dict[int, bool] = {}  # cloud_at_arrival: job id -> sent to the cloud
 
+    def _to_cloud(self, free, job: Job, t: int, out: dict) -> None:  # noqa: ANN001 - FreeSlots
+        """Place ``job`` on the cloud if it has room; remembered as on the cloud."""
+        c = free.place_cloud(job, self.width(job), t)
+        if c is not None:
+            free.take(c)
+            self.cloud[job.id] = c
+            out[job.id] = c
+
     def key(self, st, t: int) -> tuple:  # noqa: ANN001 - JobState
         raise NotImplementedError
 
@@ -193,11 +201,7 @@ class _PriorityPreemptive(_Gang):
             prev = self.prev.get(job.id)
             pin = self.first.get(job.id) if self.pinned else None
             if self.cloud_at_arrival and self.bound.get(job.id):
-                c = free.place_cloud(job, self.width(job), t)
-                if c is not None:
-                    free.take(c)
-                    self.cloud[job.id] = c
-                    out[job.id] = c
+                self._to_cloud(free, job, t, out)
                 continue
             if pin is not None:
                 if not free.fits(pin):
@@ -217,11 +221,7 @@ class _PriorityPreemptive(_Gang):
                     self.prev.pop(job.id, None)
                     continue  # it took the edge at arrival: it stays there
                 self.prev.pop(job.id, None)
-                c = free.place_cloud(job, self.width(job), t)
-                if c is not None:
-                    free.take(c)
-                    self.cloud[job.id] = c
-                    out[job.id] = c
+                self._to_cloud(free, job, t, out)
                 continue
             free.take(alloc)
             self.prev[job.id] = alloc
