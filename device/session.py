@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -45,6 +46,7 @@ from deepco.planning.thread import association_steps
 from deepco.wire.client import InferenceClient, ServerError, WrongAnswer
 from deepco.wire.security import ChannelSecurity
 
+T = TypeVar("T")
 ALGORITHMS = ("thread", "thread-sa", "single", "equal")
 PROBE_BYTES = 1 << 20
 PEER_PROBE_BYTES = 4 << 20  # server to server: larger, the links may be a LAN
@@ -64,6 +66,21 @@ def _session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
         options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def _while_busy(call: Callable[[], T], patience: float = 60.0) -> T:
+    """``call()``, retried with backoff while the server answers RESOURCE_EXHAUSTED (back-pressure: other
+    devices' setups hold its work slots), for at most ``patience`` seconds."""
+    give_up = time.monotonic() + patience
+    pause = BUSY_BACKOFF
+    while True:
+        try:
+            return call()
+        except ServerError as exc:
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + pause > give_up:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
 
 
 def _marshal_seconds_per_byte(nbytes: int = 1 << 20) -> float:
@@ -164,8 +181,9 @@ class Device:
         rates = {}
         for k, srv in enumerate(self.cluster.servers):
             c = self.client(k, 0)
-            c.load_model(ref_head.SerializeToString(), ref_name)
-            rates[srv.name] = reference.head_flops / c.profile(ref_name, x.shape, runs=3, warmup=1).seconds
+            _while_busy(lambda c=c: c.load_model(ref_head.SerializeToString(), ref_name))
+            seconds = _while_busy(lambda c=c: c.profile(ref_name, x.shape, runs=3, warmup=1).seconds)
+            rates[srv.name] = reference.head_flops / seconds
             c.unload_model(ref_name)
         bandwidths, overhead = self._probe_links()
         peer, peer_overhead = self._probe_peers()
