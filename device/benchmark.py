@@ -28,6 +28,7 @@ import onnxruntime as ort
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
+from deepco_device.staged import SETTLE_SECONDS, StagedPlanner
 from tqdm import tqdm
 
 from deepco import modelcard
@@ -35,7 +36,6 @@ from deepco.cluster import load_cluster
 from deepco.errors import UserError
 
 WARMUP_FRAMES = 2
-SETTLE_SECONDS = 0.03  # three CFS periods between frames: every quota starts a frame refilled
 MODNN = ("modnn-sa", "modnn-ma")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
@@ -132,8 +132,6 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     preprocessing=how)
     with device:
         device.setup()
-        from deepco_device.staged import StagedPlanner
-
         planner = StagedPlanner(device)
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),

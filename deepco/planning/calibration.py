@@ -1,0 +1,82 @@
+"""Calibrating the staged cost model on timed frames, and choosing among timed plans.
+
+The cost model (`deepco.planning.staged.predict`) counts FLOPs and bytes against rates measured at setup. Two
+things it cannot know until frames have run:
+
+- how fast *this model's* layers run compared with the profiled head (EfficientNet's depthwise convolutions
+  run at a fraction of a ResNet convolution's FLOP rate): a ``compute_scale`` that divides every FLOP rate;
+- the fixed cost of one server step (message, ORT call, Python, all under a CPU quota): ``step_overhead``.
+
+`fit` finds both from timed plans by least squares on *relative* error (the planner's quality is judged as
+measured / predicted). `choose` picks among plans timed side by side.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from scipy.optimize import minimize_scalar
+
+from deepco.planning.staged import CostModel, Rates, StagedPlan, predict, steps
+
+SCALE_BOUNDS = (0.25, 4.0)  # a model's FLOP rate within 4x of the profiled head's, either way
+SIMPLER_MARGIN = 0.03  # a plan with fewer server steps wins unless a busier one is this much faster
+
+
+@dataclass
+class Timed:
+    """A plan and the latencies (seconds) of its timed frames."""
+
+    plan: StagedPlan
+    seconds: list[float]
+
+    @property
+    def mean(self) -> float:
+        """Mean latency: a camera's CPU quota makes frame times bimodal, where a median of few frames jumps."""
+        return statistics.fmean(self.seconds)
+
+
+def with_compute_scale(rates: Rates, scale: float) -> Rates:
+    """``rates`` with every FLOP rate (device and servers) divided by ``scale``."""
+    return replace(rates, device_flops_per_second=rates.device_flops_per_second / scale,
+                   server_flops_per_second={k: v / scale for k, v in rates.server_flops_per_second.items()})
+
+
+def _overhead_for(timed: Sequence[Timed], bases: list[float]) -> float:
+    """The step overhead >= 0 that minimises the squared relative error, given each plan's prediction without
+    it (closed form: the model is linear in the overhead)."""
+    num = sum(steps(t.plan) * (t.mean - b) / t.mean ** 2 for t, b in zip(timed, bases, strict=True))
+    den = sum(steps(t.plan) ** 2 / t.mean ** 2 for t in timed)
+    return max(0.0, num / den) if den else 0.0
+
+
+def _error(timed: Sequence[Timed], costs: CostModel, rates: Rates, scale: float) -> tuple[float, float]:
+    r = replace(with_compute_scale(rates, scale), step_overhead=0.0)
+    bases = [predict(t.plan, costs, r)["frame"] for t in timed]
+    overhead = _overhead_for(timed, bases)
+    err = sum(((b + overhead * steps(t.plan)) / t.mean - 1) ** 2 for t, b in zip(timed, bases, strict=True))
+    return err, overhead
+
+
+def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, float]:
+    """``(compute_scale, step_overhead)`` that best explain the timed plans. The scale needs plans with at least
+    two different numbers of steps besides (otherwise it and the overhead cannot be told apart): with fewer,
+    only the overhead is fitted and the scale stays 1."""
+    if not timed:
+        return 1.0, rates.step_overhead
+    if len({steps(t.plan) for t in timed}) < 2 or len(timed) < 3:
+        return 1.0, _error(timed, costs, rates, 1.0)[1]
+    best = minimize_scalar(lambda s: _error(timed, costs, rates, s)[0], bounds=SCALE_BOUNDS, method="bounded",
+                           options={"xatol": 1e-3})
+    scale = float(best.x)
+    return scale, _error(timed, costs, rates, scale)[1]
+
+
+def choose(timed: Sequence[Timed]) -> Timed:
+    """The fastest by mean latency; among plans within ``SIMPLER_MARGIN`` of it, the one with the fewest server
+    steps (fewer messages and servers to fail, and on a noisy machine a few percent is not a difference)."""
+    fastest = min(timed, key=lambda t: t.mean)
+    close = [t for t in timed if t.mean <= fastest.mean * (1 + SIMPLER_MARGIN)]
+    return min(close, key=lambda t: (steps(t.plan), t.mean))

@@ -1,0 +1,53 @@
+"""Calibration of the staged cost model: the fit recovers a known compute scale and step overhead from timings
+made by hand with the closed forms, and the choice among timed plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepco.partition import Partitioner, load_model
+from deepco.partition.pixels import with_pixel_input
+from deepco.planning.calibration import Timed, choose, fit
+from deepco.planning.staged import CostModel, Rates, local_plan, offload_plan
+
+H, W = 64, 96
+IN, OUT = 3 * H * W, 4000
+
+
+@pytest.fixture(scope="module")
+def costs() -> CostModel:
+    model = with_pixel_input(load_model("resnet18", H, W), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    return CostModel(Partitioner(model, H, W), IN, OUT)
+
+
+def rates() -> Rates:
+    # s0 4 GFLOP/s, s1 1 GFLOP/s, device 1 GFLOP/s, 1 MB/s antennas, 1 ms per request
+    return Rates({"s0": 4e9, "s1": 1e9}, [1e6, 1e6], 0.001, 1e9, 1e8, 0.0005)
+
+
+def test_fit_recovers_the_scale_and_overhead_the_timings_were_made_with(costs):
+    scale, overhead, flops = 2.0, 0.003, costs.total_flops
+    r = rates()
+    # the closed forms by hand: the model's layers run at half the profiled rate, each server step costs 3 ms
+    offload = {s: IN / 1e6 + 0.001 + flops * scale / f + overhead + OUT / 1e6 for s, f in (("s0", 4e9), ("s1", 1e9))}
+    timed = [Timed(offload_plan(costs, r, "s0"), [offload["s0"]]), Timed(offload_plan(costs, r, "s1"), [offload["s1"]]),
+             Timed(local_plan(costs, r), [flops * scale / 1e9])]
+    got_scale, got_overhead = fit(timed, costs, r)
+    assert got_scale == pytest.approx(scale, rel=1e-2)
+    assert got_overhead == pytest.approx(overhead, rel=5e-2, abs=2e-4)
+
+
+def test_with_one_kind_of_plan_only_the_overhead_is_fitted(costs):
+    r = rates()
+    measured = IN / 1e6 + 0.001 + costs.total_flops / 4e9 + 0.005 + OUT / 1e6
+    scale, overhead = fit([Timed(offload_plan(costs, r, "s0"), [measured])], costs, r)
+    assert scale == 1.0 and overhead == pytest.approx(0.005, rel=1e-6)
+
+
+def test_choose_takes_the_fastest_unless_a_simpler_plan_is_within_three_percent(costs):
+    r = rates()
+    local, offload = local_plan(costs, r), offload_plan(costs, r, "s0")
+    assert choose([Timed(local, [0.100, 0.110]), Timed(offload, [0.080, 0.090])]).plan is offload
+    # 0.1025 vs 0.1000: within 3%, and local has no server step
+    assert choose([Timed(local, [0.1025]), Timed(offload, [0.095, 0.105])]).plan is local
+    assert choose([Timed(local, [0.1040]), Timed(offload, [0.095, 0.105])]).plan is offload
