@@ -84,7 +84,7 @@ def paper_plan(costs: CostModel, rates: Rates, servers: Sequence[str], algorithm
     """The paper's plan for ``algorithm`` on ``servers`` as a predicted StagedPlan, at ``cut`` or (None) at the
     candidate cut of least predicted frame time (`deepco.planning.staged.predict`; ties: the later cut).
     ``breakdown["rows"]`` keeps the row plan it came from."""
-    cuts = [cut] if cut is not None else [c.name for c in costs.cuts]
+    cuts = [costs.p.cut(cut).name] if cut is not None else [c.name for c in costs.cuts]
     best: StagedPlan | None = None
     for name in cuts:
         rows = row_plan(costs, rates, servers, algorithm, name)
