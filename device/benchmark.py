@@ -117,9 +117,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     preprocessing=how)
     with device:
         device.setup()
-        from deepco_device.staged import StagedPlanner
-
-        planner = StagedPlanner(device)
+        planner = device.planner  # the paper's plans are predicted on the same (calibrated) rates as auto's
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
                  "round-robin": planner.named("round-robin"), "auto": auto,

@@ -96,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.health import DriftWatch
-            from deepco_device.staged import StagedPlanner, StagedRunner
+            from deepco_device.staged import StagedRunner
 
             drift = None
             if staged:
-                planner = StagedPlanner(dev)
+                planner = dev.planner
                 plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
                 print(dev.describe_measurements(), flush=True)
                 print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
