@@ -28,7 +28,7 @@ import onnxruntime as ort
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
-from deepco_device.staged import SETTLE_SECONDS, StagedPlanner
+from deepco_device.staged import SETTLE_SECONDS
 from tqdm import tqdm
 
 from deepco import modelcard
@@ -81,24 +81,16 @@ class Runner:
 
             self.impl = ModnnRunner(device, name, peer_bytes_per_second=peer)
             self.predicted, self.predicted_fps, self.plan = self.impl.predicted, None, None
-        elif name in ROW_ALGORITHMS:
-            self.impl = device.plan_for(name)
-            self.predicted, self.predicted_fps, self.plan = self.impl.frame_time, None, None
-        else:
+        else:  # the paper's plans too: one staged runtime runs every plan
             from deepco_device.staged import StagedRunner
 
-            plan = objective_plans[name]
+            plan = device.plan_for(name) if name in ROW_ALGORITHMS else objective_plans[name]
             self.impl = StagedRunner(device, plan)
             self.predicted, self.plan = plan.predicted, plan
             self.predicted_fps = objective_plans["planner"].fps(plan)
 
     def frame(self, px: np.ndarray) -> tuple[np.ndarray, float]:
         """Run one frame alone."""
-        if self.name in ROW_ALGORITHMS:
-            result = next(self.device.run([px], plan=self.impl, depth=1))
-            if result.error is not None:
-                raise UserError(f"{self.name}: frame failed: {result.error}")
-            return result.output, result.latency
         start = time.perf_counter()
         output, _ = self.impl.run_frame(px)
         return output, time.perf_counter() - start
@@ -106,15 +98,8 @@ class Runner:
     def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[np.ndarray]]:
         """Sustained frames per second with ``depth`` frames in flight, and the outputs."""
         start = time.perf_counter()
-        if self.name in ROW_ALGORITHMS:
-            outputs = []
-            for result in self.device.run([px] * frames, plan=self.impl, depth=depth):
-                if result.error is not None:
-                    raise UserError(f"{self.name}: frame failed: {result.error}")
-                outputs.append(result.output)
-        else:
-            with ThreadPoolExecutor(max_workers=depth) as pool:
-                outputs = [out for out, _ in pool.map(lambda _: self.impl.run_frame(px), range(frames))]
+        with ThreadPoolExecutor(max_workers=depth) as pool:
+            outputs = [out for out, _ in pool.map(lambda _: self.impl.run_frame(px), range(frames))]
         return frames / (time.perf_counter() - start), outputs
 
 
@@ -132,7 +117,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     preprocessing=how)
     with device:
         device.setup()
-        planner = StagedPlanner(device)
+        planner = device.planner  # the paper's plans are predicted on the same (calibrated) rates as auto's
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
                  "round-robin": planner.named("round-robin"), "auto": auto,
@@ -186,10 +171,10 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             if r.plan is not None:
                 entry["plan"] = r.plan.to_dict()
                 entry["plan_text"] = r.plan.describe()
-            elif a in ROW_ALGORITHMS:
-                entry["servers"] = [{"name": s.name, "antenna": s.antenna, "order": s.order,
-                                     "rows": [s.start, s.stop]} for s in r.impl.slices]
-                entry["plan_text"] = device.describe_plan(r.impl)
+            if a in ROW_ALGORITHMS:
+                entry["servers"] = [{"name": s, "antenna": m, "order": k, "rows": list(rows)} for s, m, k, rows in
+                                    zip(r.plan.servers, r.plan.antennas, r.plan.order, r.plan.bands[1], strict=True)]
+                entry["plan_text"] = device.describe_plan(r.plan)
             results[a] = entry
         measured = device.measured.to_dict() | {"step_overhead": planner.step_overhead}
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,

@@ -1,6 +1,6 @@
 """When a run stops trying: a frozen or lying server must end a run with a clear message, not stall it.
 
-Both runtimes (device.session.Device.run and device.staged.StagedRunner.run_frames) feed every frame's
+The frame pipeline (device.pipeline, behind device.staged.StagedRunner.run_frames) feeds every frame's
 result to a :class:`GiveUp` and ask it, while they wait, whether to stop; it raises :class:`GaveUp` (a
 UserError: `deepco run` prints one line and exits non-zero).
 """

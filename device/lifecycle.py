@@ -26,12 +26,23 @@ class Uploads:
         self._lock = threading.Lock()
 
     def upload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
-        """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name."""
+        """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name.
+        A model this device already holds there is not loaded again (a replan then costs no call to a server
+        that may be frozen); after `forget` it is."""
         name = content_name(base, model_bytes)
+        with self._lock:
+            if any(c.address == client.address and n == name for c, n in self._held):
+                return name
         client.load_model(model_bytes, name)
         with self._lock:
             self._held.append((client, name))
         return name
+
+    def forget(self, address: str) -> None:
+        """The server at ``address`` lost its models (it restarted): upload them again when asked, and do not
+        unload them on release."""
+        with self._lock:
+            self._held = [(c, n) for c, n in self._held if c.address != address]
 
     def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references

@@ -16,7 +16,7 @@ band of the cut tensor; the device concatenates the bands (disjoint: no crop) an
 MoDNN is one shape of staged plan (deepco.planning.staged: a stage per cut, no lookahead, the tail on the
 device): this module builds MoDNN's association and band tables and keeps MoDNN's own cost model; the
 staged runtime (device/staged.py) runs the frames. With a Device made with ``pace=True`` the sends are
-paced per antenna exactly as Device.run paces THREAD's; server-to-server exchanges are not paced.
+paced per antenna exactly as every staged plan's; server-to-server exchanges are not paced.
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 It is the setup of `deepco run` (device.session.Device.setup) without a source: the model is analysed, the
 device, every server and every antenna are measured, every candidate cut is planned, and the chosen plan is
-printed. The head that setup leaves on the servers is unloaded again.
+printed. Setup uploads nothing but a probe head, which it unloads again.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from dataclasses import asdict
@@ -20,7 +19,6 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.wire import security
-from deepco.wire.client import ServerError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,32 +34,12 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     with Device(cluster, args.model, height, width, algorithm=args.algorithm, cut=args.cut, weights=args.weights,
                 log=log, security=security.from_args(args), preprocessing=how) as dev:
-        had = [_loaded(dev, k) for k in range(len(cluster.servers))]
-        try:
-            dev.setup()
-        finally:
-            _unload_head(dev, had)
-        if args.json:
-            cut = dev.cut
-            print(json.dumps({"model": args.model, "input_size": [height, width], "cut": asdict(cut),
-                              "measured": dev.measured.to_dict(), "plan": dev.plan.to_dict()}))
+        dev.setup()
+        if args.json:  # plan: the paper's rows; staged: the same plan as the runtime executes it
+            print(json.dumps({"model": args.model, "input_size": [height, width], "cut": asdict(dev.cut),
+                              "measured": dev.measured.to_dict(), "plan": dev.plan.breakdown["rows"],
+                              "staged": dev.plan.to_dict()}))
         else:
             print(dev.describe_plan())
     return 0
 
-
-def _loaded(dev: Device, server: int) -> set[str]:
-    with contextlib.suppress(ServerError):  # not up yet: setup waits for it and says so if it never comes
-        return set(dev.client(server, 0).loaded_models())
-    return set()
-
-
-def _unload_head(dev: Device, had: list[set[str]]) -> None:
-    """Unload the head setup uploaded, where it was not loaded before (another device may be using it)."""
-    name = getattr(dev, "head_name", None)
-    if name is None:
-        return
-    for k, before in enumerate(had):
-        if name not in before:
-            with contextlib.suppress(ServerError):  # already gone (unloaded on close, or server down)
-                dev.client(k, 0).unload_model(name)

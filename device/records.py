@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from deepco.planning.rows import RowPlan
 from deepco.planning.staged import Rates
 
 
@@ -43,18 +41,19 @@ class Measurements:
 
 @dataclass
 class ServerTiming:
-    """One slice of one frame, measured on the device (seconds from the frame's start)."""
+    """One participant of one frame, measured on the device (seconds from the frame's start; see
+    device.pipeline.timeline). ``rows``: its band of the plan's last level (a paper plan: rows of the cut)."""
 
     name: str
     antenna: int
     rows: tuple[int, int]
     send_start: float = 0.0
-    transfer: float = 0.0  # until the server reported the whole slice received (see `collect`)
+    transfer: float = 0.0  # until the server reported its input received
     queue: float = 0.0  # server side, waiting for a compute slot
     compute: float = 0.0  # server side, ONNX Runtime
-    back: float = 0.0  # the rest: result serialisation and return transfer
+    back: float = 0.0  # the rest: exchanges, result serialisation and return transfer
     finish: float = 0.0
-    recovered_from: str | None = None  # these rows were first sent to that server, which failed
+    recovered_from: str | None = None  # the frame was first sent to that server, which failed
 
 
 @dataclass
@@ -81,18 +80,3 @@ class FrameResult:
         if self.staged is not None:
             record["staged"] = self.staged
         return record
-
-
-@dataclass
-class InFlightFrame:
-    """A frame between its first send and its stitching (the device's internal bookkeeping)."""
-
-    index: int
-    x: np.ndarray
-    start: float
-    remaining: int
-    plan: RowPlan
-    pieces: dict[int, np.ndarray] = field(default_factory=dict)
-    timings: dict[int, ServerTiming] = field(default_factory=dict)
-    error: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)

@@ -95,19 +95,24 @@ def run(args: argparse.Namespace) -> int:
             if shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            if staged:
-                from deepco_device.staged import StagedPlanner, StagedRunner
+            from deepco_device.health import DriftWatch
+            from deepco_device.staged import StagedRunner
 
-                planner = StagedPlanner(dev)
+            drift = None
+            if staged:
+                planner = dev.planner
                 plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
-                runner = StagedRunner(dev, plan)
-                predicted = plan.predicted
                 print(dev.describe_measurements(), flush=True)
                 print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
                       f"{planner.fps(plan):.2f} fps", flush=True)
-            else:
-                predicted = dev.plan.frame_time
+                replan = lambda down: planner.best(args.objective, exclude=down)  # noqa: E731
+            else:  # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+                plan = dev.plan
                 print(dev.describe_plan(), flush=True)
+                replan = dev.replan(args.algorithm)
+                drift = DriftWatch(dev.planner.costs, dev.measured)
+            runner = StagedRunner(dev, plan)
+            predicted = plan.predicted
 
             def frames():
                 for frame in open_source(args.source, args.frames):
@@ -118,13 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
             start = time.perf_counter()
             latencies = []
-            if staged:
-                depth = max(args.depth, len(plan.servers)) if plan.kind == "round-robin" else args.depth
-                results = runner.run_frames(frames(), depth=depth,
-                                            replan=lambda down: planner.best(args.objective, exclude=down),
-                                            give_up=give_up)
-            else:
-                results = dev.run(frames(), give_up=give_up)
+            depth = max(args.depth, len(plan.servers)) if plan.kind == "round-robin" else args.depth
+            results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, drift=drift)
             for result in results:
                 if log_file:
                     log_file.write(json.dumps(result.log_record(predicted)) + "\n")

@@ -1,6 +1,7 @@
 """The staged runtime: executes a `deepco.planning.staged.StagedPlan` (local, offload or split) frame by frame.
+Every plan runs here: auto's, local, offload, the paper's (deepco.planning.paper_plans) and MoDNN's.
 
-    dev = Device(cluster, "resnet18", 720, 1280); dev.setup()      # measure (and THREAD's head, as before)
+    dev = Device(cluster, "resnet18", 720, 1280); dev.setup()      # measure, and the paper's plan (dev.plan)
     planner = StagedPlanner(dev)                                   # the exact cost model on dev's measurements
     runner = StagedRunner(dev, planner.best())                     # uploads what the plan needs
     output, timing = runner.run_frame(px)                          # px: 1x3xHxW uint8 pixels
@@ -19,20 +20,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
+from deepco_device import pipeline
 from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
-from deepco_device.giveup import TICK, GaveUp, GiveUp
+from deepco_device.giveup import GiveUp
+from deepco_device.health import DriftWatch, Health
+from deepco_device.measuring import BUSY_BACKOFF
+from deepco_device.measuring import device_session as _session
+from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult
-from deepco_device.session import BUSY_BACKOFF, PROBE_SECONDS, Device, _session
 
 from deepco.errors import UserError
 from deepco.planning.calibration import Timed, choose, fit, with_compute_scale
@@ -43,13 +47,11 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, WrongAnswer
 from deepco.wire.rows import encode_rows
 
-MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
 SETTLE_SECONDS = 0.03  # three CFS periods between timed frames: every quota starts a frame refilled
 RUNOFF_WITHIN = 0.25  # calibrated plans this close to the fastest are timed again side by side
 
-
-class RunStopped(UserError):
-    """The run stopped (gave up) while this frame was in flight: its calls were cancelled."""
+if TYPE_CHECKING:
+    from deepco_device.session import Device
 
 
 class _InFlight:
@@ -269,17 +271,18 @@ class StagedRunner:
             self._next = itertools.count()
             self._turn_lock = threading.Lock()
             return
-        segments = p.segments(plan.levels[-1], models=True, through=plan.levels[:-1])
-        data = [seg.model.SerializeToString() for seg in segments]
+        parts = _stage_models(dev, tuple(plan.levels))
+        data = parts["segments"]
         self.segment_names = []
         for server in plan.servers:
             if server != DEVICE:
                 self.segment_names = [self._upload(server, d) for d in data]
         if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
-            self.own = _session(data[0])
+            if "own" not in parts:
+                parts["own"] = _session(data[0])
+            self.own = parts["own"]
             self.own_input = self.own.get_inputs()[0].name
-        _, tail = p.split(plan.levels[-1])
-        tail_bytes = tail.SerializeToString()
+        tail = parts["tail"]
         # What the servers' answers must be: bands of the last level, or the tail's output (as NCHW on the wire)
         last = p.cut(plan.levels[-1])
         self.band_shape = (1, last.channels, None, last.width)
@@ -287,11 +290,13 @@ class StagedRunner:
         self.output_shape = value_shape(tail.graph.output[0])
         self.output_dtype = value_dtype(tail.graph.output[0])
         if plan.tail is None:
-            self.tail = _session(tail_bytes)
+            if "tail_session" not in parts:
+                parts["tail_session"] = _session(parts["tail_bytes"])
+            self.tail = parts["tail_session"]
             self.tail_input = self.tail.get_inputs()[0].name
             self.tail_name = ""
         else:
-            self.tail_name = self._upload(plan.tail, tail_bytes)
+            self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
         self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
                       for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * p.graph.itemsize
@@ -377,6 +382,7 @@ class StagedRunner:
         n = len(plan.servers)
         streams: dict[int, Any] = {}
         sent_at: dict[int, float] = {}
+        send_start: dict[int, float] = {}
         failure: list[ServerError] = []
         crashed: list[BaseException] = []  # a sender's own failure (not the server's): raised here
         lock = threading.Lock()
@@ -389,6 +395,7 @@ class StagedRunner:
             for i in by_antenna[m]:
                 client = dev.client(self.index[plan.servers[i]], m)
                 began = time.perf_counter()
+                send_start[i] = began - start
                 try:
                     events = client.deepco.ModnnRun(self.request(job, i, x), timeout=self.timeout)
                     self._inflight.add(events, plan.servers[i])
@@ -470,6 +477,7 @@ class StagedRunner:
             array = check_rows(results[c][0].output, 0, wire, self.output_dtype, f"the output of {plan.tail}", address)
             output = array.reshape(array.shape[:rank])
             tail_seconds = 0.0
+            began = collected
         else:
             pieces = []
             for i in range(n):
@@ -487,11 +495,12 @@ class StagedRunner:
             tail_seconds = time.perf_counter() - began
         end = time.perf_counter()
         timing: dict[str, Any] = {"latency": end - start, "sent": sent, "collected": collected - start,
-                                  "tail": tail_seconds, "servers": []}
+                                  "stitch": began - collected, "tail": tail_seconds, "servers": []}
         for i in range(n):
             r, finish = results[i]
             timing["servers"].append({
                 "name": plan.servers[i], "antenna": plan.antennas[i], "rows": list(plan.windows[0][i]),
+                "band": list(plan.bands[-1][i]), "send_start": send_start.get(i, 0.0),
                 "received": sent_at.get(i, 0.0), "finish": finish, "compute": r.compute_seconds,
                 "exchange_wait": r.exchange_wait_seconds, "queue": r.queue_seconds,
                 "messages_received": r.messages_received, "messages_sent": r.messages_sent,
@@ -501,142 +510,47 @@ class StagedRunner:
     # ---- a stream of frames ---------------------------------------------------------------------------
     def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
                    replan: Callable[[set[str]], StagedPlan] | None = None,
-                   give_up: GiveUp | None = None) -> Iterator[FrameResult]:
-        """Every input's result in order, ``depth`` frames in flight. A server that fails, or answers wrongly
-        (a tensor that does not fit the plan), is left out of a new plan (``replan(down)``) and the frame is
-        run again on it; a frame that fails MAX_RETRIES times (or with no server left) yields an explicit
-        error. Nothing is lost.
+                   give_up: GiveUp | None = None, drift: DriftWatch | None = None) -> Iterator[FrameResult]:
+        """Every input's result in order, ``depth`` frames in flight (device.pipeline). A server that fails,
+        or answers wrongly (a tensor that does not fit the plan), is left out of a new plan (``replan(down)``)
+        and the frame is run again on it; a frame that fails pipeline.MAX_RETRIES times (or with no server left) yields
+        an explicit error. Nothing is lost. Down servers are probed and rejoin; with ``drift`` a server or
+        antenna persistently off the plan is re-profiled and the device replans (device.health).
 
         Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too long,
-        after cancelling the calls in flight; a failure of the device's own code is a one-line UserError."""
-        give_up = give_up or GiveUp()
-        down: set[str] = set()
-        lock = threading.Lock()
-        runner = [self]
-        probed = [time.monotonic()]
-        liars: set[str] = set()  # answered wrongly: down for good, never probed back in
+        after cancelling the calls in flight; a failure of the device's own code or of the frame source is a
+        one-line UserError."""
         inflight = self._inflight
 
-        def rejoin() -> None:
-            """Every PROBE_SECONDS, ask the down servers (not the liars) whether they are back; replan with
-            those that are (a restarted server gets the plan's models uploaded again by the new runner)."""
-            with lock:
-                if not down - liars or replan is None or time.monotonic() - probed[0] < PROBE_SECONDS:
-                    return
-                probed[0] = time.monotonic()
-                candidates = sorted(down - liars)
-            back = [s for s in candidates if self._ready(s)]
-            if not back:
-                return
-            with lock:
-                down.difference_update(back)
-                try:
-                    runner[0] = StagedRunner(self.device, replan(set(down)), log=self.log)
-                    runner[0]._inflight = inflight
-                except (UserError, ServerError) as err:
-                    down.update(back)
-                    self.log(f"server(s) {', '.join(back)} answer again but could not rejoin: {err}")
-                    return
-                self.device.down.difference_update(back)
-            self.log(f"server(s) {', '.join(back)} back; replanned: {runner[0].plan.describe()}")
+        def make(plan: StagedPlan) -> StagedRunner:
+            runner = StagedRunner(self.device, plan, exchange_timeout=self.exchange_timeout, log=self.log)
+            runner._inflight = inflight  # one set of calls to cancel, whichever runner started them
+            return runner
 
-        def one(index: int, x: np.ndarray) -> FrameResult:
-            result = FrameResult(index)
-            began = time.perf_counter()
-            rejoin()
-            for _ in range(MAX_RETRIES + 1):
-                with lock:
-                    current = runner[0]
-                try:
-                    result.output, timing = current.run_frame(x)
-                    result.error = None  # an earlier try's failure was recovered from
-                    result.latency = time.perf_counter() - began
-                    result.tail = timing.get("tail", 0.0)
-                    result.staged = timing
-                    return result
-                except ServerError as exc:
-                    if inflight.stopped.is_set():
-                        result.error = f"the run stopped ({exc})"
-                        break
-                    failed = self._server_of(exc.address)
-                    if replan is None:
-                        result.error = str(exc)
-                        break
-                    with lock:
-                        if failed and isinstance(exc, WrongAnswer):
-                            liars.add(failed)
-                        if failed and failed not in down:
-                            down.add(failed)
-                            self.device.down.add(failed)  # not asked to unload on close (a frozen one stalls it)
-                            why = f"answered wrongly: {exc.details}" if isinstance(exc, WrongAnswer) else exc.code.name
-                            self.log(f"server {failed} down ({why}); replanning without it")
-                        if runner[0] is current:
-                            try:
-                                runner[0] = StagedRunner(self.device, replan(set(down)), log=self.log)
-                                runner[0]._inflight = inflight
-                            except UserError as err:
-                                result.error = f"{exc}; and no plan is left: {err}"
-                                break
-                    result.error = str(exc)
-                except RunStopped as exc:
-                    result.error = str(exc)
-                    break
-            result.latency = time.perf_counter() - began
-            return result
-
-        def waiting_for() -> str:
-            with lock:
-                servers = runner[0].plan.servers
-            return (f"servers {', '.join(servers)}" if servers else "the device") + (
-                f" ({', '.join(sorted(down))} down)" if down else "")
-
-        def outcome(future) -> FrameResult:
-            """The frame's result once it is there; meanwhile, ask ``give_up`` whether to stop."""
-            while not wait([future], timeout=TICK).done:
-                give_up.check(True, waiting_for())
-            try:
-                return future.result()
-            except UserError:
-                raise
-            except Exception as exc:  # the device's own code failed: one line, not a traceback
-                raise UserError(f"the device's frame worker failed: {type(exc).__name__}: {exc}") from exc
-
-        pending: queue.Queue = queue.Queue()
-        with ThreadPoolExecutor(max_workers=depth) as pool:
-            try:
-                sources = iter(inputs)
-                for index in itertools.count():
-                    give_up.check(not pending.empty())
-                    try:
-                        x = next(sources)
-                    except StopIteration:
-                        break
-                    pending.put(pool.submit(one, index, x))
-                    while pending.qsize() >= depth:
-                        result = outcome(pending.get())
-                        yield result
-                        give_up.seen(result)
-                while not pending.empty():
-                    result = outcome(pending.get())
-                    yield result
-                    give_up.seen(result)
-            except BaseException as exc:  # gave up, failed, or the consumer stopped: no frame waits for its deadline
-                silent = inflight.cancel_all()
-                if isinstance(exc, GaveUp):  # what the run waited on in vain: Device.close() does not wait again
-                    self.device.down.update(silent)
-                raise
+        health = Health(self.device, self, make, replan, self._ready, self._server_of, drift)
+        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight)
 
     def _ready(self, server: str) -> bool:
-        try:
-            return self.device.client(self.index[server], 0).server_ready(timeout=1.0)
-        except ServerError:
-            return False
+        return self.device.pool.ready(server)
 
     def _server_of(self, address: str) -> str | None:
         """The server listening at ``address`` (on any antenna)."""
-        cluster = self.device.cluster
-        return next((s.name for s in cluster.servers for m in range(len(cluster.device.antennas))
-                     if cluster.address_on(s, m) == address), None)
+        return self.device.pool.server_at(address)
+
+
+def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
+    """The segment models (bytes) and the tail (model, bytes; ORT sessions added by the runners) of a chain of
+    levels, extracted once per device: a replan onto the same levels (failover, drift, rejoin) then costs
+    no model extraction."""
+    parts = device.stage_models.get(levels)
+    if parts is None:
+        p = device.partitioner
+        segments = p.segments(levels[-1], models=True, through=list(levels[:-1]))
+        _, tail = p.split(levels[-1])
+        parts = {"segments": [seg.model.SerializeToString() for seg in segments], "tail": tail,
+                 "tail_bytes": tail.SerializeToString()}
+        device.stage_models[levels] = parts
+    return parts
 
 
 def root_cause(errors: list[BaseException]) -> BaseException:

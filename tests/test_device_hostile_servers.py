@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from deepco_device.giveup import GiveUp
 from deepco_device.modnn import ModnnRunner
 from deepco_device.preprocess import normalise
 from deepco_device.session import Device
@@ -197,24 +196,17 @@ def test_modnn_runner_refuses_wrong_answers(mixed):
 
 
 # ---- no device thread dies silently ------------------------------------------------------------------------
-def test_a_failing_device_thread_ends_the_run_with_one_line(mixed, monkeypatch):
-    def broken(*args):
-        raise RuntimeError("tail exploded")
-
-    monkeypatch.setattr(mixed, "_finish", broken)
-    start = time.monotonic()
-    with pytest.raises(UserError, match=r"^the device's finisher thread failed: RuntimeError: tail exploded$"):
-        list(mixed.run([pixels(k) for k in range(4)], give_up=GiveUp(10, 0)))
-    assert time.monotonic() - start < 15
-
-
-def test_a_failing_source_ends_the_run_with_one_line(mixed):
+def test_a_failing_source_ends_the_run_with_one_line_after_the_frames_already_in(mixed):
     def frames():
         yield pixels(0)
         raise OSError("camera unplugged")
 
+    runner = StagedRunner(mixed, StagedPlanner(mixed).named("local"))
+    results = []
     with pytest.raises(UserError, match=r"^the frame source failed: OSError: camera unplugged$"):
-        list(mixed.run(frames()))
+        for result in runner.run_frames(frames()):
+            results.append(result)
+    assert [r.index for r in results] == [0] and results[0].error is None
 
 
 def test_a_failing_staged_worker_ends_the_run_with_one_line(mixed, monkeypatch):
@@ -226,7 +218,7 @@ def test_a_failing_staged_worker_ends_the_run_with_one_line(mixed, monkeypatch):
 
 
 # ---- finding 6: a frozen server ----------------------------------------------------------------------------
-@pytest.mark.parametrize("algorithm", ["equal", "offload"])  # Device.run (THREAD) and the staged runtime
+@pytest.mark.parametrize("algorithm", ["equal", "offload"])  # a paper plan and an offload, both staged
 def test_a_frozen_only_server_ends_the_run_within_the_bound(tmp_path, model, clip, algorithm):
     bound = 2.0
     with serve_process("--threads", "1") as server:

@@ -1,0 +1,140 @@
+"""Measuring what the planners need, at setup: the device's own speed on the whole model, every server's speed
+on a reference head (DeepcoService.Profile), each antenna's bandwidth and the per-request overhead
+(DeepcoService.Echo), the server-to-server link (two servers probe each other, DeepcoService.ProbePeer) and
+the device's own CPU time per byte it marshals. With pacing the antennas' configured bandwidths are what
+pacing enforces, so they are taken as given.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+from deepco_device.channels import Channels
+from deepco_device.records import Measurements
+
+from deepco.partition import Cut, Partitioner
+from deepco.wire.client import ServerError
+
+T = TypeVar("T")
+PROBE_BYTES = 1 << 20
+PEER_PROBE_BYTES = 4 << 20  # server to server: larger, the links may be a LAN
+BUSY_BACKOFF = 0.02  # first pause (s) when every server answers RESOURCE_EXHAUSTED; doubles up to 0.5 s
+
+
+def device_session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
+    """An ORT session for the device. One thread, no spinning: a camera has one weak core (under a CPU
+    quota, spinning threads burn the quota and throttle the whole process)."""
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def while_busy(call: Callable[[], T], patience: float = 60.0) -> T:
+    """``call()``, retried with backoff while the server answers RESOURCE_EXHAUSTED (back-pressure: other
+    devices' setups hold its work slots), for at most ``patience`` seconds."""
+    give_up = time.monotonic() + patience
+    pause = BUSY_BACKOFF
+    while True:
+        try:
+            return call()
+        except ServerError as exc:
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + pause > give_up:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+
+
+def median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
+    """Median wall time of ``runs`` calls of ``fn``."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def marshal_seconds_per_byte(nbytes: int = 1 << 20) -> float:
+    """The device's own CPU time to encode and serialise one byte of a request (measured here, so under the
+    device's CPU share): a weak camera pays it for every slice it sends."""
+    from deepco.wire.tensors import encode_request
+
+    x = np.zeros((1, 1, 1, nbytes), np.uint8)
+    return median_seconds(lambda: encode_request("probe", {"x": x}).SerializeToString(), runs=5) / nbytes
+
+
+def server_rates(channels: Channels, partitioner: Partitioner, reference: Cut, x: np.ndarray,
+                 tag: str) -> dict[str, float]:
+    """FLOP/s of every server on the head up to ``reference`` (uploaded under a name of its own, since other
+    devices may probe the same servers, and unloaded again)."""
+    head, _ = partitioner.split(reference)
+    data = head.SerializeToString()
+    name = f"{tag}-probe-{uuid.uuid4().hex[:8]}"
+    rates = {}
+    for k, srv in enumerate(channels.cluster.servers):
+        c = channels.client(k, 0)
+        while_busy(lambda c=c: c.load_model(data, name))
+        seconds = while_busy(lambda c=c: c.profile(name, x.shape, runs=3, warmup=1).seconds)
+        rates[srv.name] = reference.head_flops / seconds
+        c.unload_model(name)
+    return rates
+
+
+def probe_links(channels: Channels, pace: bool) -> tuple[list[float], float]:
+    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over the first server."""
+    antennas = channels.cluster.device.antennas
+    if pace:  # the configured bandwidth is what pacing will enforce
+        overhead = median_seconds(lambda: channels.client(0, 0).echo(1), runs=5)
+        return [a.bandwidth * 1e6 / 8 for a in antennas], overhead
+    bandwidths, overheads = [], []
+    for m in range(len(antennas)):
+        c = channels.client(0, m)
+        small = median_seconds(lambda c=c: c.echo(1), runs=5)
+        big = median_seconds(lambda c=c: c.echo(PROBE_BYTES), runs=3)
+        bandwidths.append(PROBE_BYTES / max(big - small, 1e-6))
+        overheads.append(small)
+    return bandwidths, statistics.median(overheads)
+
+
+def probe_peers(channels: Channels, log: Callable[[str], None]) -> tuple[float, float]:
+    """Server-to-server bandwidth and per-message overhead: the two first-listed servers probe each other
+    both ways (ProbePeer); (0, 0) with one server, or when a probe fails (the antennas' bandwidth is then
+    assumed between servers)."""
+    cluster = channels.cluster
+    servers = cluster.servers
+    if len(servers) < 2:
+        return 0.0, 0.0
+    samples = []
+    for a, b in ((0, 1), (1, 0)):
+        try:
+            small, large = channels.client(a, 0).probe_peer(cluster.address_on(servers[b], 0), PEER_PROBE_BYTES)
+        except ServerError as exc:
+            log(f"peer probe {servers[a].name} -> {servers[b].name} failed ({exc}); "
+                "assuming the antennas' bandwidth between servers")
+            return 0.0, 0.0
+        # On a fast LAN a megabyte crosses in about the jitter of the small round trip: attribute at least
+        # half of the large round trip to the transfer, or the difference can be ~0 and the rate absurd
+        samples.append((PEER_PROBE_BYTES / max(large - small, 0.5 * large), small))
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSession, x: np.ndarray,
+            reference: Cut, *, pace: bool, tag: str, log: Callable[[str], None]) -> Measurements:
+    """Everything setup measures (see the module doc). ``whole``: the device's session of the whole model;
+    ``x``: a blank frame of pixels; ``reference``: the cut whose head the servers are timed on."""
+    name = whole.get_inputs()[0].name
+    device_rate = partitioner.total_flops / median_seconds(lambda: whole.run(None, {name: x}))
+    rates = server_rates(channels, partitioner, reference, x, tag)
+    bandwidths, overhead = probe_links(channels, pace)
+    peer, peer_overhead = probe_peers(channels, log)
+    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead,
+                        marshal_seconds_per_byte())

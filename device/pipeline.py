@@ -1,0 +1,145 @@
+"""The frame pipeline: a stream of frames through a staged runner, ``depth`` frames in flight, results in order.
+
+Each frame runs on the runner `device.health.Health` says is current; a frame whose server fails is tried
+again on the plan made without that server (up to MAX_RETRIES times), so every frame yields its output or
+an explicit error and none is lost. While frames wait, a `GiveUp` decides whether the run has failed for
+too long; then every call in flight is cancelled. Each result carries its timeline (`FrameResult.servers`:
+per participant, seconds from the frame's start; `dispatch`, `stitch`, `tail`), and which server a
+recomputed frame was first sent to (``recovered_from``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+from deepco_device.giveup import TICK, GaveUp, GiveUp
+from deepco_device.health import Health
+from deepco_device.records import FrameResult, ServerTiming
+
+from deepco.errors import UserError
+from deepco.planning.staged import StagedPlan
+from deepco.wire.client import ServerError
+
+MAX_RETRIES = 3  # a frame whose servers fail is tried again on a new plan this many times
+
+
+class RunStopped(UserError):
+    """The run stopped (gave up) while this frame was in flight: its calls were cancelled."""
+
+
+def timeline(result: FrameResult, timing: dict[str, Any], plan: StagedPlan, offset: float,
+             recovered_from: str | None) -> None:
+    """Fill ``result``'s breakdown from a runner's ``timing`` of one try that began ``offset`` seconds after
+    the frame: per participant its send, transfer (until it reported its input received, at most what its
+    own times leave), queue, compute and the rest (exchanges, the answer's return); the hand-over to the
+    stitch (``dispatch``), the stitch and the tail. They add up to ``result.latency``."""
+    result.staged = timing
+    result.stitch, result.tail = timing.get("stitch", 0.0), timing.get("tail", 0.0)
+    servers = []
+    for s in timing.get("servers", []):
+        send, finish = offset + s["send_start"], offset + s["finish"]
+        total = finish - send
+        transfer = max(0.0, min(s["received"] - s["send_start"], total - s["compute"] - s["queue"]))
+        servers.append(ServerTiming(s["name"], s["antenna"], tuple(s["band"]), send, transfer, s["queue"],
+                                    s["compute"], total - transfer - s["queue"] - s["compute"], finish, recovered_from))
+    if "server" in timing:  # offload: the whole model on one server
+        total = timing["latency"]
+        transfer = max(0.0, min(timing["sent"], total - timing["compute"] - timing["queue"]))
+        servers.append(ServerTiming(timing["server"], plan.antennas[0], (0, 0), offset, transfer, timing["queue"],
+                                    timing["compute"], total - transfer - timing["queue"] - timing["compute"],
+                                    offset + total, recovered_from))
+    result.servers = servers
+    critical = max((t.finish for t in servers), default=offset)
+    result.dispatch = max(0.0, result.latency - critical - result.stitch - result.tail)
+
+
+def run_frames(health: Health, inputs: Iterable[np.ndarray], depth: int, give_up: GiveUp,
+               inflight) -> Iterator[FrameResult]:
+    """Every input's result in order (see the module doc). ``inflight`` tracks the calls of every runner so
+    that a run that stops cancels them all at once.
+
+    Raises GaveUp (a UserError) when ``give_up`` says the run has failed for too long; a failure of the
+    device's own code, or of the frame source, is a one-line UserError (the frames already in come first)."""
+
+    def one(index: int, x: np.ndarray) -> FrameResult:
+        result = FrameResult(index)
+        began = time.perf_counter()
+        health.rejoin()
+        recovered_from = None
+        for _ in range(MAX_RETRIES + 1):
+            current = health.current()
+            try:
+                output, timing = current.run_frame(x)
+            except ServerError as exc:
+                if inflight.stopped.is_set():
+                    result.error = f"the run stopped ({exc})"
+                    break
+                why = health.failed(current, exc)
+                result.error = str(exc)
+                if why is not None:
+                    result.error = why
+                    break
+                recovered_from = health.server_at(exc.address) or recovered_from
+                continue
+            except RunStopped as exc:
+                result.error = str(exc)
+                break
+            now = time.perf_counter()
+            result.output, result.error = output, None  # an earlier try's failure was recovered from
+            result.latency = now - began
+            timeline(result, timing, current.plan, now - timing["latency"] - began, recovered_from)
+            health.observe(current, timing)
+            return result
+        result.latency = time.perf_counter() - began
+        return result
+
+    def outcome(future) -> FrameResult:
+        """The frame's result once it is there; meanwhile, ask ``give_up`` whether to stop."""
+        while not wait([future], timeout=TICK).done:
+            give_up.check(True, health.waiting_for())
+        try:
+            return future.result()
+        except UserError:
+            raise
+        except Exception as exc:  # the device's own code failed: one line, not a traceback
+            raise UserError(f"the device's frame worker failed: {type(exc).__name__}: {exc}") from exc
+
+    pending: queue.Queue = queue.Queue()
+    source_failed: UserError | None = None
+    with ThreadPoolExecutor(max_workers=depth) as pool:
+        try:
+            sources = iter(inputs)
+            for index in itertools.count():
+                give_up.check(not pending.empty())
+                try:
+                    x = next(sources)
+                except StopIteration:
+                    break
+                except UserError as exc:  # the frames already in still come out
+                    source_failed = exc
+                    break
+                except Exception as exc:
+                    source_failed = UserError(f"the frame source failed: {type(exc).__name__}: {exc}")
+                    break
+                pending.put(pool.submit(one, index, x))
+                while pending.qsize() >= depth:
+                    result = outcome(pending.get())
+                    yield result
+                    give_up.seen(result)
+            while not pending.empty():
+                result = outcome(pending.get())
+                yield result
+                give_up.seen(result)
+        except BaseException as exc:  # gave up, failed, or the consumer stopped: no frame waits for its deadline
+            silent = inflight.cancel_all()
+            if isinstance(exc, GaveUp):  # what the run waited on in vain: Device.close() does not wait again
+                health.device.down.update(silent)
+            raise
+    if source_failed is not None:
+        raise source_failed
