@@ -194,10 +194,10 @@ def serve(config: ServeConfig) -> int:
              "max in-flight %d", server.runtime.provider, server.runtime.device, config.device,
              config.threads or "ORT default", config.max_models, config.max_inflight)
     log.info("TLS %s, token %s, max model bytes %d, max request bytes %d, model lease %s, max queue %d, "
-             "MoDNN peers %s, metrics %s",
+             "max held bytes %d, MoDNN peers %s, metrics %s",
              ("mutual" if config.security.ca else "on") if config.security.tls else "off",
              "required" if config.security.token else "off", config.max_model_bytes, config.max_request_bytes,
-             f"{config.model_lease:g}s" if config.model_lease else "off", server.max_queue,
+             f"{config.model_lease:g}s" if config.model_lease else "off", server.max_queue, config.max_held_bytes,
              ", ".join(config.peers) + " and loopback" if config.peers else "loopback only",
              f"http://{config.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port is not None
              else "off")

@@ -17,7 +17,7 @@ interceptors on its polling thread), and runs each class of call on its own pool
 - *streams* (Health/Watch, Run, ModnnRun, ModnnExchange): at most ``stream_slots`` at once, a thread each;
   one that sees no message read or written for ``idle_seconds`` is cancelled, which frees its thread;
 - *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
-  thread each;
+  thread each; one whose request does not arrive within ``idle_seconds`` is cancelled too;
 - *control* (the rest: metadata, index, unload, ...): a few threads, at most ``max_queue`` waiting for one;
 - *refusals*: a call over its budget is answered RESOURCE_EXHAUSTED at once by a handler that never reads
   its request (so an 8 MiB request costs no thread time and no memory beyond gRPC's flow-control window).
@@ -307,7 +307,7 @@ class BudgetInterceptor(grpc.ServerInterceptor):
 
         def serve(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             watched = None
-            if stream:
+            if stream or unary_request:  # a work call is watched while its request arrives, not while it runs
                 watched, holding.unwatch = self._watch(context)
             if not context.add_callback(holding.release):  # the call is already over
                 holding.release()
@@ -315,6 +315,8 @@ class BudgetInterceptor(grpc.ServerInterceptor):
             try:
                 if unary_request:
                     request = _one(requests, context, method)
+                    if not stream and holding.unwatch is not None:
+                        holding.unwatch()
                     if isinstance(request, _OverBudget):
                         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"server busy: admitted requests hold {self._held.held} bytes, this one's "
