@@ -117,7 +117,7 @@ class Server:
                                          idle_seconds=config.stream_idle_seconds, max_queue=config.max_queue,
                                          max_held_bytes=config.max_held_bytes)
         self.max_queue = self.budgets.max_queue
-        self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued)
+        self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes)
         interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics), self.budgets]
         if security.token is not None:
             # Asked by the budgets before they admit a call: no slot for a caller without the token.

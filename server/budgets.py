@@ -7,7 +7,8 @@ reads a unary request on that thread before the handler sees it. Two floods brok
   read) took every thread of the one pool, and nothing was answered, ServerReady included;
 - 200 clients sending 8 MiB ModelInfer requests: gRPC's own limit of calls at once
   (``maximum_concurrent_rpcs``) refused ServerReady along with the excess, and the calls it admitted read
-  their 8 MiB on threads readiness waited behind (3 of 86 probes failed, RSS 3.3 GB; bench/readiness_flood.py).
+  their 8 MiB on threads readiness waited behind (2-4 of about 110 probes failed, RSS 3.1-3.5 GB;
+  bench/readiness_flood.py).
 
 :class:`BudgetInterceptor` decides on each call when its headers arrive, before its request is read (gRPC runs
 interceptors on its polling thread), and runs each class of call on its own pool (gRPC's per-behaviour

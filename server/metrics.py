@@ -14,7 +14,8 @@ Exported (``service`` is e.g. ``inference.GRPCInferenceService``, ``method`` e.g
   server (queueing for a worker thread included) to its last response,
 - ``deepco_grpc_inflight``: RPCs running on a worker thread now; ``deepco_grpc_queued``: RPCs accepted
   and waiting for a worker thread (server.budgets: control calls, bounded by ``--max-queue``, and the
-  moments between a call's admission and its thread),
+  moments between a call's admission and its thread), ``deepco_request_bytes_held``: request bytes the
+  admitted calls hold (bounded by ``--max-held-bytes``),
 - ``deepco_models_loaded``, ``deepco_model_bytes{model}``, ``deepco_model_bytes_total`` and
   ``deepco_model_bytes_limit``: the loaded models and their uploaded bytes (``--max-model-bytes``).
 
@@ -82,7 +83,8 @@ class _ModelsCollector(Collector):
 class Metrics:
     """The Prometheus metrics of one server."""
 
-    def __init__(self, models: Registry, queued: Callable[[], int] | None = None):
+    def __init__(self, models: Registry, queued: Callable[[], int] | None = None,
+                 held_bytes: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
         labels = ["service", "method"]
         self.requests = Counter("deepco_grpc_requests", "Finished RPCs by status code", [*labels, "code"],
@@ -96,6 +98,10 @@ class Metrics:
                              registry=self.registry)
         if queued is not None:
             queued_gauge.set_function(queued)
+        held_gauge = Gauge("deepco_request_bytes_held", "Request bytes admitted calls hold now (--max-held-bytes)",
+                           registry=self.registry)
+        if held_bytes is not None:
+            held_gauge.set_function(held_bytes)
         self.registry.register(_ModelsCollector(models))
         self._http: Any = None
 
