@@ -10,8 +10,13 @@ from dataclasses import dataclass, field
 
 import grpc
 from deepco_server import logs
-from deepco_server.budgets import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_STREAMS, BudgetInterceptor
-from deepco_server.metrics import CountingExecutor, Metrics, ObservingInterceptor
+from deepco_server.budgets import (
+    DEFAULT_IDLE_SECONDS,
+    DEFAULT_MAX_HELD_BYTES,
+    DEFAULT_MAX_STREAMS,
+    BudgetInterceptor,
+)
+from deepco_server.metrics import Metrics, ObservingInterceptor
 from deepco_server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from deepco_server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
 from deepco_server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
@@ -25,11 +30,10 @@ from deepco.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("deepco.serve")
 
-# Worker threads beyond the stream and work budgets (server.budgets), so that health, readiness and metadata
-# are answered even while every budget is used up.
-CONTROL_THREADS = 4
 # Uploaded models nobody used for this long are unloaded (--model-lease): a device that died does not leak.
 DEFAULT_MODEL_LEASE = 600.0
+# 1 MiB per stream in flight still moves 100 MB/s at a 10 ms round trip (Java's and Go's gRPC fix 1 MiB too).
+STREAM_WINDOW_BYTES = 1 << 20
 SERVICES = ("", "inference.GRPCInferenceService", "deepco.DeepcoService")
 
 
@@ -45,7 +49,7 @@ class ServeConfig:
     max_inflight: int = 4
     grace: float = 30.0  # seconds in-flight requests get to finish on shutdown
     max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES  # uploaded ONNX bytes held at once, all models together
-    max_queue: int | None = None  # RPCs waiting for a worker thread; None: 3 x the worker threads
+    max_queue: int | None = None  # control calls waiting for a control thread; None: server.budgets' default
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mutual TLS, token
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free one); None: off
     metrics_host: str = "127.0.0.1"
@@ -56,6 +60,7 @@ class ServeConfig:
     metrics_token: str | None = None  # required as 'Authorization: Bearer' on /metrics
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
     max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, ModnnRun, ModnnExchange, Health/Watch) open at once
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # request bytes admitted calls hold at once
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -80,9 +85,10 @@ def check_bindable(host: str, port: int) -> None:
 class Server:
     """A started gRPC server with both services and the standard grpc.health.v1 service.
 
-    Every RPC passes two interceptors: server.metrics.ObservingInterceptor (metrics, per-RPC log line,
-    unparsable requests answered INVALID_ARGUMENT), then, with a token configured,
-    server.security.TokenAuthInterceptor. ``peer_security`` is how this server should dial its peers.
+    Every RPC passes the interceptors: server.metrics.ObservingInterceptor (metrics, per-RPC log line,
+    unparsable requests answered INVALID_ARGUMENT), server.budgets.BudgetInterceptor (admission and thread
+    pools, asking the next one first) and, with a token configured, server.security.TokenAuthInterceptor.
+    ``peer_security`` is how this server should dial its peers.
     """
 
     def __init__(self, config: ServeConfig, runtime: Runtime | None = None):
@@ -92,8 +98,8 @@ class Server:
             raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
         if config.model_lease < 0 or config.max_request_bytes < 1 or config.stream_idle_seconds <= 0:
             raise UserError("--model-lease must be >= 0, --max-request-bytes >= 1 and --stream-idle-timeout > 0")
-        if config.max_streams < 1:
-            raise UserError("--max-streams must be >= 1")
+        if config.max_streams < 1 or config.max_held_bytes < 1:
+            raise UserError("--max-streams and --max-held-bytes must be >= 1")
         self.config = config
         self.runtime = runtime or choose_runtime(config.device, config.threads)
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
@@ -108,24 +114,25 @@ class Server:
         # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
         work_slots = config.max_inflight + 2
         self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=work_slots,
-                                         idle_seconds=config.stream_idle_seconds)
-        workers = config.max_streams + work_slots + CONTROL_THREADS
-        self.max_queue = 3 * workers if config.max_queue is None else config.max_queue
-        self.executor = CountingExecutor(max_workers=workers, thread_name_prefix="deepco-rpc")
-        self.metrics = Metrics(self.state.registry, self.executor)
-        interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics)]
+                                         idle_seconds=config.stream_idle_seconds, max_queue=config.max_queue,
+                                         max_held_bytes=config.max_held_bytes)
+        self.max_queue = self.budgets.max_queue
+        self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes)
+        interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics), self.budgets]
         if security.token is not None:
+            # Asked by the budgets before they admit a call: no slot for a caller without the token.
             interceptors.append(TokenAuthInterceptor(security.token))
-        interceptors.append(self.budgets)  # after the token check: no slot for a caller without the token
         options = [*GRPC_MESSAGE_OPTIONS,
                    # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
                    # silently share it; we want "port in use" to be an error.
-                   ("grpc.so_reuseport", 0)]
-        self.grpc = grpc.server(self.executor, options=options, interceptors=interceptors,
-                                # The bounded queue: at most workers + max_queue RPCs held at once (running or
-                                # waiting for a thread); gRPC refuses the excess at once with RESOURCE_EXHAUSTED
-                                # ("Concurrent RPC limit exceeded!"), which is the back-pressure clients see.
-                                maximum_concurrent_rpcs=workers + self.max_queue)
+                   ("grpc.so_reuseport", 0),
+                   # A fixed receive window per stream instead of gRPC's auto-tuned one (at least 4 MiB, more
+                   # on fast links): that is what gRPC buffers of a request before any handler looks at it, so
+                   # 200 clients sending 8 MiB requests made it hold 1-2 GB (bench/readiness_flood.py).
+                   ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]
+        # No maximum_concurrent_rpcs: gRPC's own limit refuses whatever call comes next, readiness probes
+        # included. The budgets refuse the excess of each class instead, before reading its request.
+        self.grpc = grpc.server(self.budgets.control_pool, options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.grpc)
         dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state, config.max_streams), self.grpc)
         self.health = health.HealthServicer()
@@ -187,10 +194,10 @@ def serve(config: ServeConfig) -> int:
              "max in-flight %d", server.runtime.provider, server.runtime.device, config.device,
              config.threads or "ORT default", config.max_models, config.max_inflight)
     log.info("TLS %s, token %s, max model bytes %d, max request bytes %d, model lease %s, max queue %d, "
-             "MoDNN peers %s, metrics %s",
+             "max held bytes %d, MoDNN peers %s, metrics %s",
              ("mutual" if config.security.ca else "on") if config.security.tls else "off",
              "required" if config.security.token else "off", config.max_model_bytes, config.max_request_bytes,
-             f"{config.model_lease:g}s" if config.model_lease else "off", server.max_queue,
+             f"{config.model_lease:g}s" if config.model_lease else "off", server.max_queue, config.max_held_bytes,
              ", ".join(config.peers) + " and loopback" if config.peers else "loopback only",
              f"http://{config.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port is not None
              else "off")

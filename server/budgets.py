@@ -1,20 +1,31 @@
-"""Worker-thread budgets, so that health and readiness always find a free thread.
+"""Admission and worker-thread lanes, so that health and readiness always answer, even under a flood.
 
-gRPC Python's synchronous server runs every call on a thread of one pool, for as long as the call lasts; a
-stream that stays open (an idle ``Health/Watch``, an idle ``ModnnExchange``, a ``Run`` whose result the
-client never reads) holds its thread all that time. Without a bound, any eight such streams took every
-thread and nothing was answered, ServerReady included.
+gRPC Python's synchronous server runs every call on a thread of a pool, for as long as the call lasts, and
+reads a unary request on that thread before the handler sees it. Two floods broke readiness before:
 
-:class:`BudgetInterceptor` sorts methods into three classes:
+- any eight open streams (an idle ``Health/Watch``, an idle ``ModnnExchange``, a ``Run`` whose result is never
+  read) took every thread of the one pool, and nothing was answered, ServerReady included;
+- 200 clients sending 8 MiB ModelInfer requests: gRPC's own limit of calls at once
+  (``maximum_concurrent_rpcs``) refused ServerReady along with the excess, and the calls it admitted read
+  their 8 MiB on threads readiness waited behind (2-4 of about 110 probes failed, RSS 3.1-3.5 GB;
+  bench/readiness_flood.py).
 
-- *streams* (Health/Watch, Run, ModnnRun, ModnnExchange): at most ``stream_slots`` at once; one that sees
-  no message read or written for ``idle_seconds`` is cancelled, which frees its thread;
-- *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once;
-- *control* (the rest: ServerLive/ServerReady, Health/Check, metadata, index, unload): always admitted; they
-  are short and the pool keeps threads beyond the two budgets for them.
+:class:`BudgetInterceptor` decides on each call when its headers arrive, before its request is read (gRPC runs
+interceptors on its polling thread), and runs each class of call on its own pool (gRPC's per-behaviour
+``experimental_thread_pool``):
 
-The excess of a class is refused at once with RESOURCE_EXHAUSTED. The interceptor runs after the token
-check, so a caller without the token never holds a slot.
+- *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused;
+- *streams* (Health/Watch, Run, ModnnRun, ModnnExchange): at most ``stream_slots`` at once, a thread each;
+  one that sees no message read or written for ``idle_seconds`` is cancelled, which frees its thread;
+- *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
+  thread each; one whose request does not arrive within ``idle_seconds`` is cancelled too;
+- *control* (the rest: metadata, index, unload, ...): a few threads, at most ``max_queue`` waiting for one;
+- *refusals*: a call over its budget is answered RESOURCE_EXHAUSTED at once by a handler that never reads
+  its request (so an 8 MiB request costs no thread time and no memory beyond gRPC's flow-control window).
+
+Stream and work calls with a unary request also count its bytes against ``max_held_bytes`` while they hold
+it; a request that would go over is refused RESOURCE_EXHAUSTED (and dropped at once). The interceptor runs
+before the token check in the chain but asks it first, so a caller without the token holds no slot.
 """
 
 from __future__ import annotations
@@ -22,11 +33,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
-from deepco_server.rpc import behavior, rebuild, split_method
+from deepco_server.memory import release_freed_memory
+from deepco_server.rpc import Deferred, behavior, deferred, is_refusal, on_pool, refusal, split_method
 
+PROBE_METHODS = frozenset({
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+    "/grpc.health.v1.Health/Check",
+})
 STREAM_METHODS = frozenset({
     "/grpc.health.v1.Health/Watch",
     "/deepco.DeepcoService/Run",
@@ -44,22 +62,124 @@ DEFAULT_IDLE_SECONDS = 120.0
 # Streams open at once (--max-streams): a device keeps about --depth Run streams per server open, MoDNN a
 # job's run plus one per feeding peer; a thread each (about 8 MB of address space, little memory).
 DEFAULT_MAX_STREAMS = 16
+# Request bytes held at once by admitted calls (--max-held-bytes): a device's frame slices are a few MiB.
+DEFAULT_MAX_HELD_BYTES = 1 << 30
+PROBE_THREADS = 2  # a probe takes microseconds of a thread
+REFUSAL_THREADS = 2  # so does a refusal: it sends a status and reads nothing
+CONTROL_THREADS = 4
 SWEEP_SECONDS = 0.5
+# Freed memory is given back to the system (server.memory) once no call (probes aside) arrived for this long.
+QUIET_SECONDS = 1.0
 
 
-class _Slots:
-    def __init__(self, kind: str, limit: int):
+class CountingExecutor(futures.ThreadPoolExecutor):
+    """A worker pool counting the work submitted but not yet started: its queue depth."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = ""):
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a worker thread."""
+        return self._queued
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
+        """Queue ``fn`` like ThreadPoolExecutor.submit, counting it until a worker starts it."""
+        with self._lock:
+            self._queued += 1
+
+        def started(*a: Any, **kw: Any) -> Any:
+            with self._lock:
+                self._queued -= 1
+            return fn(*a, **kw)
+
+        try:
+            return super().submit(started, *args, **kwargs)
+        except BaseException:  # shut down: it will never start
+            with self._lock:
+                self._queued -= 1
+            raise
+
+
+class _Lane:
+    """A class of calls with its own threads and at most ``limit`` calls at once."""
+
+    def __init__(self, kind: str, limit: int, spare_threads: int = 2):
         self.kind, self.limit = kind, limit
         self._free = threading.BoundedSemaphore(limit)
+        # Spare threads: a call gives its slot back just before its thread returns to the pool.
+        self.pool = CountingExecutor(limit + spare_threads, thread_name_prefix=f"deepco-{kind.split('/')[0]}")
 
-    def take(self, method: str, context: grpc.ServicerContext) -> None:
-        if not self._free.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server busy: {self.limit} {self.kind} calls already open ({split_method(method)[1]} "
-                          "refused); retry later")
+    def take(self) -> bool:
+        return self._free.acquire(blocking=False)
 
     def give(self) -> None:
         self._free.release()
+
+    def busy(self, method: str) -> str:
+        return (f"server busy: {self.limit} {self.kind} calls already open ({split_method(method)[1]} refused); "
+                "retry later")
+
+
+class _HeldBytes:
+    """Request bytes held by admitted calls, at most ``limit`` together."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+
+
+class _Holding:
+    """What one admitted call holds (a slot, its request's bytes, an idle watch), given back exactly once."""
+
+    def __init__(self, lane: _Lane, held: _HeldBytes):
+        self._lane, self._held = lane, held
+        self.unwatch: Callable[[], None] | None = None
+        self.size = 0
+        self._done = False
+        self._lock = threading.Lock()
+
+    def hold(self, size: int) -> bool:
+        """Count ``size`` more request bytes, if the held-bytes budget has room."""
+        with self._lock:
+            if self._done:  # the call is over: nothing to hold
+                return True
+            if not self._held.take(size):
+                return False
+            self.size += size
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        if self.unwatch is not None:
+            self.unwatch()
+        self._held.give(self.size)
+        self._lane.give()
+
+
+class _OverBudget:
+    """What a request over the held-bytes budget deserializes to: its size (its bytes are dropped at once)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
 
 
 class _Watched:
@@ -80,92 +200,166 @@ class _Watched:
 
 
 class BudgetInterceptor(grpc.ServerInterceptor):
-    """Admits stream and work calls within their budgets and cancels idle streams (see the module doc)."""
+    """Admits calls within their budgets, runs each class on its own threads, cancels idle streams (module doc).
 
-    def __init__(self, stream_slots: int, work_slots: int, idle_seconds: float = DEFAULT_IDLE_SECONDS):
+    ``control_pool`` is the server's default executor (give it to ``grpc.server``): calls this interceptor
+    does not route elsewhere run there.
+    """
+
+    def __init__(self, stream_slots: int, work_slots: int, idle_seconds: float = DEFAULT_IDLE_SECONDS,
+                 max_queue: int | None = None, max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
         self.idle_seconds = idle_seconds
-        self._streams = _Slots("stream", stream_slots)
-        self._work = _Slots("inference/upload", work_slots)
+        self.max_queue = 3 * CONTROL_THREADS if max_queue is None else max_queue
+        self._streams = _Lane("stream", stream_slots)
+        self._work = _Lane("inference/upload", work_slots)
+        self._held = _HeldBytes(max_held_bytes)
+        self.control_pool = CountingExecutor(CONTROL_THREADS, thread_name_prefix="deepco-control")
+        self._probes = CountingExecutor(PROBE_THREADS, thread_name_prefix="deepco-probe")
+        self._refusals = CountingExecutor(REFUSAL_THREADS, thread_name_prefix="deepco-refuse")
+        self._pools = (self.control_pool, self._probes, self._refusals, self._streams.pool, self._work.pool)
         self._open: dict[int, _Watched] = {}
+        self._since: float | None = None  # the last call (probes aside) since memory was last given back
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="deepco-idle-streams", daemon=True)
         self._sweeper.start()
 
+    @property
+    def queued(self) -> int:
+        """Calls admitted and waiting for a worker thread, all pools together."""
+        return sum(pool.queued for pool in self._pools)
+
+    @property
+    def held_bytes(self) -> int:
+        """Request bytes admitted calls hold now."""
+        return self._held.held
+
     def close(self) -> None:
-        """Stop cancelling idle streams (the server is stopping)."""
+        """Stop cancelling idle streams and let the pools' threads end (the server has stopped)."""
         self._stop.set()
+        for pool in self._pools:
+            pool.shutdown(wait=False)
 
     def _sweep(self) -> None:
         while not self._stop.wait(SWEEP_SECONDS):
             now = time.monotonic()
+            if self._since is not None and now - self._since > QUIET_SECONDS:
+                self._since = None
+                release_freed_memory()
             with self._lock:
                 idle = [w for w in self._open.values() if now - w.last > self.idle_seconds]
             for watched in idle:
                 watched.context.cancel()  # the call ends CANCELLED; its thread returns to the pool
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        """The method's handler, wrapped in its class's budget."""
-        handler = continuation(details)
+        """The method's handler, on its class's pool and within its budget, or a refusal."""
+        handler = continuation(details)  # the token check first: a caller without the token takes no slot
         if handler is None:
             return handler
-        if details.method in WORK_METHODS:
-            return self._bounded(handler, details.method)
-        if details.method in STREAM_METHODS:
-            return self._stream(handler, details.method)
-        return handler
+        method = details.method
+        if method in PROBE_METHODS:
+            return on_pool(handler, self._probes)
+        self._since = time.monotonic()
+        if is_refusal(handler):
+            return on_pool(handler, self._refusals)
+        lane = self._work if method in WORK_METHODS else self._streams if method in STREAM_METHODS else None
+        if lane is None:
+            if self.control_pool.queued >= self.max_queue:
+                return on_pool(refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"server busy: {self.max_queue} calls already wait for a thread "
+                                       f"(--max-queue; {split_method(method)[1]} refused); retry later"),
+                               self._refusals)
+            return handler
+        if not lane.take():
+            return on_pool(refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, lane.busy(method)), self._refusals)
+        return on_pool(self._admitted(handler, method, lane), lane.pool)
 
-    def _bounded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        inner = behavior(handler)
-        slots = self._work
-
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            slots.take(method, context)
-            try:
-                return inner(request, context)
-            finally:
-                slots.give()
-
-        return rebuild(handler, call)
-
-    def _watch(self, context: grpc.ServicerContext) -> tuple[int, _Watched]:
+    def _watch(self, context: grpc.ServicerContext) -> tuple[_Watched, Callable[[], None]]:
         watched = _Watched(context)
         with self._lock:
             self._open[id(watched)] = watched
-        return id(watched), watched
 
-    def _unwatch(self, key: int) -> None:
-        with self._lock:
-            self._open.pop(key, None)
+        def unwatch() -> None:
+            with self._lock:
+                self._open.pop(id(watched), None)
 
-    def _stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return watched, unwatch
+
+    def _admitted(self, handler: grpc.RpcMethodHandler, method: str, lane: _Lane) -> grpc.RpcMethodHandler:
+        """``handler`` as a call holding a slot of ``lane``, given back when it ends however it ends.
+
+        The handler is rebuilt to take its request as a stream, which gRPC always hands to the behaviour (a
+        unary request the client cancels mid-way would otherwise skip it, and the slot would leak). Its
+        deserializer, run by gRPC on its polling thread as the request arrives, only counts a unary request's
+        bytes against the held-bytes budget (or drops them, over it); the message is parsed on this call's
+        own thread (server.rpc.Deferred).
+        """
         inner = behavior(handler)
-        slots = self._streams
+        unary_request, response_streaming = not handler.request_streaming, handler.response_streaming
+        stream = lane is self._streams
+        holding = _Holding(lane, self._held)
+        parse = handler.request_deserializer
+        defer = deferred(parse)
 
-        if handler.response_streaming:
-            def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                slots.take(method, context)
-                key, watched = self._watch(context)
-                try:
-                    if handler.request_streaming:
-                        request = watched.reading(request)
-                    for response in inner(request, context):
-                        watched.touch()
-                        yield response
-                        watched.touch()  # resumed: the response went out
-                finally:
-                    self._unwatch(key)
-                    slots.give()
+        def receive(data: bytes) -> Any:
+            if unary_request and not holding.hold(len(data)):
+                return _OverBudget(len(data))
+            return defer(data) if defer is not None else data
 
-            return rebuild(handler, streaming)
-
-        def unary_response(request: Any, context: grpc.ServicerContext) -> Any:
-            slots.take(method, context)
-            key, watched = self._watch(context)
+        def serve(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            watched = None
+            if stream or unary_request:  # a work call is watched while its request arrives, not while it runs
+                watched, holding.unwatch = self._watch(context)
+            if not context.add_callback(holding.release):  # the call is already over
+                holding.release()
+                context.abort(grpc.StatusCode.CANCELLED, "call ended before it started")
             try:
-                return inner(watched.reading(request) if handler.request_streaming else request, context)
+                if unary_request:
+                    request = _one(requests, context, method)
+                    if not stream and holding.unwatch is not None:
+                        holding.unwatch()
+                    if isinstance(request, _OverBudget):
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"server busy: admitted requests hold {self._held.held} bytes, this one's "
+                                      f"{request.size} would pass the {self._held.limit} limit (--max-held-bytes; "
+                                      f"{split_method(method)[1]} refused); retry later")
+                else:
+                    request = watched.reading(_parsed(requests)) if watched is not None else _parsed(requests)
+                if not response_streaming:
+                    return inner(request, context)
+                return _released_after(inner(request, context), holding, watched)
+            except BaseException:
+                holding.release()
+                raise
             finally:
-                self._unwatch(key)
-                slots.give()
+                if not response_streaming:
+                    holding.release()
 
-        return rebuild(handler, unary_response)
+        make = grpc.stream_stream_rpc_method_handler if response_streaming else grpc.stream_unary_rpc_method_handler
+        return make(serve, request_deserializer=receive if parse is not None else None,
+                    response_serializer=handler.response_serializer)
+
+
+def _parsed(requests: Iterator[Any]) -> Iterator[Any]:
+    """The messages of a request stream, parsed here if no interceptor before us did (server.rpc.Deferred)."""
+    for request in requests:
+        yield request.parse(request.data) if isinstance(request, Deferred) else request
+
+
+def _one(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
+    """The one message of a unary request."""
+    for request in _parsed(requests):
+        return request
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{split_method(method)[1]} needs exactly one request message")
+
+
+def _released_after(responses: Iterator[Any], holding: _Holding, watched: _Watched | None) -> Iterator[Any]:
+    try:
+        for response in responses:
+            if watched is not None:
+                watched.touch()
+            yield response
+            if watched is not None:
+                watched.touch()  # resumed: the response went out
+    finally:
+        holding.release()

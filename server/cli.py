@@ -61,8 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uploaded ONNX bytes of all loaded models together; a load over it is refused with "
                         "RESOURCE_EXHAUSTED (default: 1073741824, 1 GiB)")
     p.add_argument("--max-queue", type=_int_at_least(0), default=None, metavar="N",
-                   help="RPCs that may wait for a worker thread; the excess is refused at once with "
-                        "RESOURCE_EXHAUSTED (default: 3 x the worker threads, --max-streams + --max-inflight + 6)")
+                   help="control calls (metadata, model index, unload, ...) that may wait for one of the 4 control "
+                        "threads; the excess is refused at once with RESOURCE_EXHAUSTED. Inference, uploads and "
+                        "streams never wait: over their budgets they are refused before their request is read; "
+                        "ServerLive/ServerReady/health checks have threads of their own and are never refused "
+                        "(default: 12)")
+    p.add_argument("--max-held-bytes", type=_int_at_least(1), default=1 << 30, metavar="BYTES",
+                   help="request bytes that admitted inference, upload and stream calls hold at once; a request "
+                        "that would pass it is refused with RESOURCE_EXHAUSTED and dropped (default: 1073741824, "
+                        "1 GiB)")
     p.add_argument("--model-lease", type=_seconds, default=600.0, metavar="SECONDS",
                    help="unload an uploaded model nobody used (loaded, ran, asked about) for this long, so a "
                         "device that died does not leak it; 0: never (default: 600)")
@@ -72,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "values), is refused with RESOURCE_EXHAUSTED (default: 4294967296, 4 GiB)")
     p.add_argument("--stream-idle-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="cancel an open stream (Run, ModnnRun, ModnnExchange, Health/Watch) that sent or "
-                        "received nothing for this long (default: 120)")
+                        "received nothing for this long, and an inference or upload call whose request took "
+                        "longer to arrive (default: 120)")
     p.add_argument("--max-streams", type=_int_at_least(1), default=16, metavar="N",
                    help="streams open at once (Run, ModnnRun, ModnnExchange, Health/Watch), each holding a "
                         "worker thread; the excess is refused with RESOURCE_EXHAUSTED (default: 16)")
@@ -120,4 +128,4 @@ def run(args: argparse.Namespace) -> int:
                              log_format=args.log_format, model_lease=args.model_lease,
                              max_request_bytes=args.max_request_bytes, peers=args.peers,
                              metrics_token=args.metrics_token, stream_idle_seconds=args.stream_idle_timeout,
-                             max_streams=args.max_streams))
+                             max_streams=args.max_streams, max_held_bytes=args.max_held_bytes))

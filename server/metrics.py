@@ -13,12 +13,14 @@ Exported (``service`` is e.g. ``inference.GRPCInferenceService``, ``method`` e.g
 - ``deepco_grpc_request_seconds{service,method}``: histogram of seconds from the RPC's arrival at the
   server (queueing for a worker thread included) to its last response,
 - ``deepco_grpc_inflight``: RPCs running on a worker thread now; ``deepco_grpc_queued``: RPCs accepted
-  and waiting for a worker thread (bounded by ``--max-queue``),
+  and waiting for a worker thread (server.budgets: control calls, bounded by ``--max-queue``, and the
+  moments between a call's admission and its thread), ``deepco_request_bytes_held``: request bytes the
+  admitted calls hold (bounded by ``--max-held-bytes``),
 - ``deepco_models_loaded``, ``deepco_model_bytes{model}``, ``deepco_model_bytes_total`` and
   ``deepco_model_bytes_limit``: the loaded models and their uploaded bytes (``--max-model-bytes``).
 
-Calls gRPC refuses before any interceptor runs (the ``--max-queue`` bound, messages over the size limit)
-are not counted: gRPC Python gives no hook there.
+Calls gRPC refuses before any interceptor runs (messages over the size limit) are not counted: gRPC Python
+gives no hook there.
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
 from deepco_server.models import Registry
-from deepco_server.rpc import behavior, rebuild, split_method
+from deepco_server.rpc import Deferred, behavior, rebuild, refusal, split_method
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -54,37 +55,6 @@ rpc_log = logging.getLogger("deepco.serve.rpc")
 # Seconds: from a cached 0.1 ms health check to a multi-second partitioned frame on a slow server.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UNKNOWN_METHOD = "unknown"
-
-
-class CountingExecutor(futures.ThreadPoolExecutor):
-    """The gRPC worker pool, counting the work submitted but not yet started: the server's queue depth."""
-
-    def __init__(self, max_workers: int, thread_name_prefix: str = ""):
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
-        self._queued = 0
-        self._lock = threading.Lock()
-
-    @property
-    def queued(self) -> int:
-        """Calls waiting for a worker thread."""
-        return self._queued
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
-        """Queue ``fn`` like ThreadPoolExecutor.submit, counting it until a worker starts it."""
-        with self._lock:
-            self._queued += 1
-
-        def started(*a: Any, **kw: Any) -> Any:
-            with self._lock:
-                self._queued -= 1
-            return fn(*a, **kw)
-
-        try:
-            return super().submit(started, *args, **kwargs)
-        except BaseException:  # shut down: it will never start
-            with self._lock:
-                self._queued -= 1
-            raise
 
 
 class _ModelsCollector(Collector):
@@ -113,7 +83,8 @@ class _ModelsCollector(Collector):
 class Metrics:
     """The Prometheus metrics of one server."""
 
-    def __init__(self, models: Registry, executor: CountingExecutor | None = None):
+    def __init__(self, models: Registry, queued: Callable[[], int] | None = None,
+                 held_bytes: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
         labels = ["service", "method"]
         self.requests = Counter("deepco_grpc_requests", "Finished RPCs by status code", [*labels, "code"],
@@ -123,10 +94,14 @@ class Metrics:
         self.latency = Histogram("deepco_grpc_request_seconds", "Seconds from an RPC's arrival to its end",
                                  labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.inflight = Gauge("deepco_grpc_inflight", "RPCs running on a worker thread now", registry=self.registry)
-        queued = Gauge("deepco_grpc_queued", "RPCs accepted and waiting for a worker thread",
-                       registry=self.registry)
-        if executor is not None:
-            queued.set_function(lambda: executor.queued)
+        queued_gauge = Gauge("deepco_grpc_queued", "RPCs accepted and waiting for a worker thread",
+                             registry=self.registry)
+        if queued is not None:
+            queued_gauge.set_function(queued)
+        held_gauge = Gauge("deepco_request_bytes_held", "Request bytes admitted calls hold now (--max-held-bytes)",
+                           registry=self.registry)
+        if held_bytes is not None:
+            held_gauge.set_function(held_bytes)
         self.registry.register(_ModelsCollector(models))
         self._http: Any = None
 
@@ -198,12 +173,17 @@ class MalformedRequest(TensorError):
     """
 
 
-def _checked_stream(requests: Iterator[Any], seen: list[str]) -> Iterator[Any]:
-    """The messages of a request stream; a malformed one is remembered in ``seen`` and raises."""
+def _checked_stream(requests: Iterator[Any], seen: list[str], models: list[str | None]) -> Iterator[Any]:
+    """The messages of a request stream; a malformed one is remembered in ``seen`` and raises; the model
+    the first one names goes to ``models`` (server.budgets reads a unary request as a stream)."""
     for request in requests:
+        if isinstance(request, Deferred):  # parsed here, on the call's thread (server.rpc.Deferred)
+            request = _tolerant(request.parse)(request.data)
         if isinstance(request, _Malformed):
             seen.append(request.message)
             raise MalformedRequest(request.message)
+        if not models:
+            models.append(_model_of(request))
         yield request
 
 
@@ -278,17 +258,15 @@ class ObservingInterceptor(grpc.ServerInterceptor):
             # Not a method of ours: answered UNIMPLEMENTED here (rather than by gRPC) so that it is counted,
             # under one label value, so that random method names cannot grow the label set.
             service, method = "", UNKNOWN_METHOD
-            handler = grpc.unary_unary_rpc_method_handler(
-                lambda request, context: context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                                       f"unknown method {details.method[:200]!r}"))
+            handler = refusal(None, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {details.method[:200]!r}")
         inner = behavior(handler)
         finish, start = self._finish, self._start
         streaming_request = handler.request_streaming
 
-        def admit(request: Any, context: grpc.ServicerContext, malformed: list[str]) -> Any:
+        def admit(request: Any, context: grpc.ServicerContext, malformed: list[str], models: list[str | None]) -> Any:
             """The request (stream) to hand the servicer; a unary request that did not parse is refused."""
             if streaming_request:
-                return _checked_stream(request, malformed)
+                return _checked_stream(request, malformed, models)
             if isinstance(request, _Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return request
@@ -301,22 +279,22 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         if not handler.response_streaming:
             def serve(request: Any, context: grpc.ServicerContext) -> Any:
                 start()
-                failed, model, malformed = False, None if streaming_request else _model_of(request), []
+                failed, malformed, models = False, [], [] if streaming_request else [_model_of(request)]
                 try:
-                    return inner(admit(request, context, malformed), context)
+                    return inner(admit(request, context, malformed, models), context)
                 except BaseException:
                     failed = True
                     refuse_malformed(context, malformed)
                     raise
                 finally:
-                    finish(service, method, arrived, _code(context, failed), model, context)
+                    finish(service, method, arrived, _code(context, failed), models[0] if models else None, context)
         else:
             def serve(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # type: ignore[misc]
                 start()
-                failed, model, malformed = False, None if streaming_request else _model_of(request), []
+                failed, malformed, models = False, [], [] if streaming_request else [_model_of(request)]
                 code: grpc.StatusCode | None = None
                 try:
-                    yield from inner(admit(request, context, malformed), context)
+                    yield from inner(admit(request, context, malformed, models), context)
                 except GeneratorExit:  # the client went away mid-stream
                     code = grpc.StatusCode.CANCELLED
                     raise
@@ -325,6 +303,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
                     refuse_malformed(context, malformed)
                     raise
                 finally:
-                    finish(service, method, arrived, code or _code(context, failed), model, context)
+                    finish(service, method, arrived, code or _code(context, failed), models[0] if models else None,
+                           context)
 
         return rebuild(handler, serve, request_deserializer=_tolerant(handler.request_deserializer))

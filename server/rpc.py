@@ -8,11 +8,17 @@ behaviour wraps the original. The four handler kinds are built by four different
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import grpc
 
 Behavior = Callable[..., Any]
+# gRPC Python runs a call on the pool its behaviour names in this attribute (grpc/_server.py,
+# _select_thread_pool_for_behavior), else on the server's executor; server.budgets gives each class of call
+# its own pool this way, and rebuild() keeps the pool when an interceptor wraps a behaviour.
+POOL_ATTRIBUTE = "experimental_thread_pool"
+_REFUSAL_ATTRIBUTE = "deepco_refusal"
 
 
 def kind(handler: grpc.RpcMethodHandler) -> str:
@@ -31,20 +37,70 @@ def rebuild(handler: grpc.RpcMethodHandler, new_behavior: Behavior,
     """A handler of the same kind as ``handler`` serving with ``new_behavior``; ``request_deserializer``
     True keeps the original one, anything else replaces it (None: the behaviour gets the raw bytes)."""
     deserializer = handler.request_deserializer if request_deserializer is True else request_deserializer
+    old = behavior(handler)
+    for attribute in (POOL_ATTRIBUTE, _REFUSAL_ATTRIBUTE):
+        if hasattr(old, attribute) and not hasattr(new_behavior, attribute):
+            setattr(new_behavior, attribute, getattr(old, attribute))
     make = getattr(grpc, f"{kind(handler)}_rpc_method_handler")
     return make(new_behavior, request_deserializer=deserializer, response_serializer=handler.response_serializer)
 
 
-def refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler that answers every call with ``code`` and ``message`` without reading the request (so a
-    malformed request is refused for the first reason, not answered "cannot parse")."""
+def on_pool(handler: grpc.RpcMethodHandler, pool: futures.ThreadPoolExecutor) -> grpc.RpcMethodHandler:
+    """``handler``, run on ``pool``'s threads."""
+    inner = behavior(handler)
 
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        return inner(request, context)
+
+    setattr(call, POOL_ATTRIBUTE, pool)
+    return rebuild(handler, call)
+
+
+def refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers every call with ``code`` and ``message`` without reading the request: a
+    malformed request is refused for the first reason, not answered "cannot parse", and a large one costs
+    no thread time and no memory (gRPC drops what arrives after the status)."""
+
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    if handler is None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    return rebuild(handler, refuse, request_deserializer=None)
+    setattr(refuse, _REFUSAL_ATTRIBUTE, True)
+    # A request stream, whatever the method's kind: gRPC hands the behaviour an unread stream at once, where a
+    # unary request would first be read whole on the worker thread.
+    streaming_response = handler is not None and handler.response_streaming
+    make = grpc.stream_stream_rpc_method_handler if streaming_response else grpc.stream_unary_rpc_method_handler
+    return make(refuse, response_serializer=handler.response_serializer if handler is not None else None)
+
+
+def is_refusal(handler: grpc.RpcMethodHandler) -> bool:
+    """Whether ``handler`` was made by :func:`refusal` (and wrapped since, perhaps)."""
+    return bool(getattr(behavior(handler), _REFUSAL_ATTRIBUTE, False))
+
+
+class Deferred:
+    """A request message received but not parsed yet.
+
+    gRPC Python runs a method's request deserializer on its one polling thread, which also admits every new
+    call: parsing 8 MiB requests there made readiness probes wait behind them. server.budgets hands admitted
+    calls :func:`deferred` deserializers instead, and the message is parsed on the call's own thread by the
+    first reader (server.metrics.ObservingInterceptor, with its malformed-request handling).
+    """
+
+    __slots__ = ("data", "parse")
+
+    def __init__(self, data: bytes, parse: Callable[[bytes], Any]):
+        self.data, self.parse = data, parse
+
+
+def deferred(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that only wraps the bytes in a :class:`Deferred` (None stays None: raw bytes)."""
+    if deserializer is None:
+        return None
+
+    def defer(data: bytes) -> Deferred:
+        return Deferred(data, deserializer)
+
+    return defer
 
 
 def split_method(full: str) -> tuple[str, str]:

@@ -4,7 +4,6 @@ a SIGKILLed device's models go when their lease runs out, and `deepco models` li
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from deepco_device.sources import make_pan_zoom_clip
-from test_server_support import ROOT, conv_model, serve_process
+from test_server_support import ROOT, child_env, conv_model, serve_process
 
 from deepco.wire.client import InferenceClient
 
@@ -65,7 +64,7 @@ def _run_args(setup, frames: int) -> list[str]:
 
 def _start_run(setup) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "deepco", *_run_args(setup, 400)], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                            env=child_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 

@@ -8,6 +8,7 @@ items (1 MB names, MoDNN peers outside the allow-list, metrics without a token).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import subprocess
 import sys
@@ -358,6 +359,103 @@ def test_probe_peer_dials_only_allowed_peers_with_bounded_work(server: Server) -
         for t in threads:
             t.join(timeout=30)
         assert c.server_ready(timeout=1.0)
+
+
+def _rss_kb(pid: int) -> int:
+    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:"))
+
+
+def test_a_flood_of_requests_is_refused_unread_and_readiness_keeps_answering() -> None:
+    """Issue 13: under a 200-thread flood of 8 MiB requests, ServerReady failed (gRPC's own concurrency cap
+    refused it, and probes waited behind requests being read) and RSS stayed at 2.8 GB. Scaled down: on a
+    server with 3 work slots, 96 clients send 1 MiB requests back to back and 32 more open requests whose
+    body never comes (a slow upload at its limit). The excess is refused RESOURCE_EXHAUSTED without being
+    read, a stalled request is cancelled, probes answer within 1 s during and after, memory stays bounded."""
+    x = np.random.default_rng(0).standard_normal((1, 3, 256, 341)).astype(np.float32)  # 1 MiB
+    payload = encode_request("conv", {"input": x}).SerializeToString()
+    with serve_process("--device", "cpu", "--threads", "1", "--max-inflight", "1", "--stream-idle-timeout", "1",
+                       "--max-held-bytes", str(5 << 19)) as server:
+        with InferenceClient(server.address, timeout=10) as c:
+            c.load_model(MODEL, "conv")
+            # Over --max-held-bytes on its own: refused, and by the held-bytes budget.
+            code, message = _status(c.infer, "conv", np.zeros((1, 3, 512, 512), np.float32))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-held-bytes" in message, message
+        codes: collections.Counter = collections.Counter()
+        stalled: collections.Counter = collections.Counter()
+        probes: list[tuple[str, float]] = []
+        rss_kb: list[int] = []
+        stop = threading.Event()
+
+        def flood() -> None:
+            with grpc.insecure_channel(server.address) as channel:
+                infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                while not stop.is_set():
+                    try:
+                        infer(payload, timeout=30)
+                        codes["OK"] += 1
+                    except grpc.RpcError as exc:
+                        codes[exc.code().name] += 1
+
+        def never_sends() -> Iterator[bytes]:
+            stop.wait(30)
+            return
+            yield b""
+
+        def stall() -> None:
+            with grpc.insecure_channel(server.address) as channel:
+                upload = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
+                while not stop.is_set():
+                    try:
+                        upload(never_sends(), timeout=5)
+                        stalled["OK"] += 1
+                    except grpc.RpcError as exc:
+                        stalled[exc.code().name] += 1
+
+        def probe(channel: grpc.Channel) -> None:
+            ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
+                                        request_serializer=pb.ServerReadyRequest.SerializeToString,
+                                        response_deserializer=pb.ServerReadyResponse.FromString)
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for call, request in ((ready, pb.ServerReadyRequest()), (check, health_pb2.HealthCheckRequest())):
+                start = time.perf_counter()
+                try:
+                    call(request, timeout=1.0)
+                    outcome = "OK"
+                except grpc.RpcError as exc:
+                    outcome = f"{exc.code().name}: {exc.details()}"
+                probes.append((outcome, time.perf_counter() - start))
+            rss_kb.append(_rss_kb(server.proc.pid))
+
+        threads = [threading.Thread(target=flood, daemon=True) for _ in range(96)]
+        threads += [threading.Thread(target=stall, daemon=True) for _ in range(32)]
+        with grpc.insecure_channel(server.address) as channel:
+            for t in threads:
+                t.start()
+            flood_end = time.monotonic() + 4.0
+            while time.monotonic() < flood_end:
+                probe(channel)
+                time.sleep(0.25)
+            during = len(probes)
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+            assert not any(t.is_alive() for t in threads), "a flooding call hung"
+            for _ in range(4):
+                probe(channel)
+                time.sleep(0.25)
+        slow = [(outcome, round(seconds, 3)) for outcome, seconds in probes if outcome != "OK" or seconds >= 1.0]
+        assert not slow, (slow, len(probes), codes, stalled)
+        assert during >= 8, during  # the probes really ran during the flood
+        assert codes["RESOURCE_EXHAUSTED"] > 0 and set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+        # Stalled uploads: refused, or cancelled once idle for a second (or, when the test ends them without a
+        # message, INVALID_ARGUMENT); none ran into its 5 s deadline.
+        assert stalled["RESOURCE_EXHAUSTED"] > 0 and stalled["CANCELLED"] > 0, stalled
+        assert set(stalled) <= {"RESOURCE_EXHAUSTED", "CANCELLED", "INVALID_ARGUMENT"}, stalled
+        assert max(rss_kb) < 1 << 20, rss_kb  # under 1 GiB: the refused requests were never held
+        with InferenceClient(server.address, timeout=10) as c:  # and the server still serves
+            np.testing.assert_allclose(c.infer("conv", X), reference(MODEL, X), rtol=0, atol=1e-5)
+        assert server.proc.poll() is None
 
 
 def test_metrics_token_and_warning() -> None:

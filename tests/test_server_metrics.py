@@ -134,6 +134,9 @@ def test_stream_budget_refuses_the_excess_at_once_and_control_calls_still_answer
             assert time.perf_counter() - start < 2  # refused at once, not after a stream ended
             live(b"", timeout=2)  # control calls still find a thread
             assert _sum(_scrape(srv.metrics_port), "deepco_grpc_queued") == 0
+            samples = _scrape(srv.metrics_port)
+            assert any(n == "deepco_request_bytes_held" for n, _ in samples)
+            assert _sum(samples, "deepco_request_bytes_held") == 0  # streamed messages are not counted
             release.set()
             for f in holders:
                 with contextlib.suppress(grpc.RpcError):

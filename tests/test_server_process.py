@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,7 +14,15 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
-from test_server_support import HEAVY_SHAPE, ROOT, conv_model, heavy_model, reference, serve_process
+from test_server_support import (
+    HEAVY_SHAPE,
+    ROOT,
+    child_env,
+    conv_model,
+    heavy_model,
+    reference,
+    serve_process,
+)
 from tritonclient.utils import InferenceServerException
 
 from deepco.wire.client import InferenceClient, ServerError
@@ -116,7 +123,7 @@ def test_sigterm_finishes_in_flight_request_then_exits_zero() -> None:
 
 
 def _deepco(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "deepco", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
 

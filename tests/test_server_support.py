@@ -91,10 +91,17 @@ def _pump(stream, sink: queue.Queue | list) -> None:
             sink.put(line)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a `python -m deepco` subprocess: this checkout first on PYTHONPATH, the caller's
+    PYTHONPATH kept after it (where a worktree maps deepco_server and deepco_device to its own folders; an
+    editable install elsewhere would otherwise give the subprocess another checkout's server)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
 @contextlib.contextmanager
 def serve_process(*args: str, startup_timeout: float = 30.0, cwd: Path = ROOT) -> Iterator[ServeProcess]:
     """Start `python -m deepco serve --port 0 ARGS` (in ``cwd``) and yield it once it prints its address."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", *args], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
