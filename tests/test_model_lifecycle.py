@@ -72,10 +72,11 @@ def _wait_uploaded(servers, proc: subprocess.Popen, timeout: float = 120.0) -> N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        if all(any("-head-sha256-" in n for n in names) for names in _loaded(servers)):
+        # the plan's runner uploads what it needs (content-addressed names) to the servers the plan uses
+        if any(any("-sha256-" in n for n in names) for names in _loaded(servers)):
             return
         time.sleep(0.2)
-    raise AssertionError("the device never uploaded its head")
+    raise AssertionError("the device never uploaded its models")
 
 
 def test_run_unloads_what_it_uploaded(servers, setup) -> None:
@@ -107,7 +108,7 @@ def test_a_killed_devices_models_go_when_the_lease_ends(servers, setup) -> None:
         if proc.poll() is None:
             proc.kill()
     killed = time.monotonic()
-    assert all(names for names in _loaded(servers))  # left behind by the dead device...
+    assert any(names for names in _loaded(servers))  # left behind by the dead device...
     while any(_loaded(servers)) and time.monotonic() - killed < LEASE + 10:
         time.sleep(0.5)
     assert _loaded(servers) == [[], []]  # ...until its lease ran out
