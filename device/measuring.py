@@ -89,8 +89,11 @@ def server_rates(channels: Channels, partitioner: Partitioner, reference: Cut, x
     return rates
 
 
-def probe_links(channels: Channels, pace: bool) -> tuple[list[float], float]:
-    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over the first server."""
+def probe_links(channels: Channels, pace: bool, marshal: float = 0.0) -> tuple[list[float], float]:
+    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over the first server.
+    ``marshal``: the device's own CPU seconds per byte sent, which the cost model counts on its own: it is
+    taken out of the probe's time (on a 0.1-core camera it is half of it, and counting it twice made the
+    links look 3-10x slower than their shaping)."""
     antennas = channels.cluster.device.antennas
     if pace:  # the configured bandwidth is what pacing will enforce
         overhead = median_seconds(lambda: channels.client(0, 0).echo(1), runs=5)
@@ -100,7 +103,8 @@ def probe_links(channels: Channels, pace: bool) -> tuple[list[float], float]:
         c = channels.client(0, m)
         small = median_seconds(lambda c=c: c.echo(1), runs=5)
         big = median_seconds(lambda c=c: c.echo(PROBE_BYTES), runs=3)
-        bandwidths.append(PROBE_BYTES / max(big - small, 1e-6))
+        transfer = big - small
+        bandwidths.append(PROBE_BYTES / max(transfer - marshal * PROBE_BYTES, 0.5 * transfer, 1e-6))
         overheads.append(small)
     return bandwidths, statistics.median(overheads)
 
@@ -134,7 +138,7 @@ def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSe
     name = whole.get_inputs()[0].name
     device_rate = partitioner.total_flops / median_seconds(lambda: whole.run(None, {name: x}))
     rates = server_rates(channels, partitioner, reference, x, tag)
-    bandwidths, overhead = probe_links(channels, pace)
+    marshal = marshal_seconds_per_byte()
+    bandwidths, overhead = probe_links(channels, pace, marshal)
     peer, peer_overhead = probe_peers(channels, log)
-    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead,
-                        marshal_seconds_per_byte())
+    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead, marshal)

@@ -79,7 +79,14 @@ def test_the_physical_bound_is_the_formula():
         height=10, width=20, channels=3,
         partitioner=SimpleNamespace(graph=SimpleNamespace(itemsize=1), total_flops=6e9),
         measured=SimpleNamespace(antenna_bytes_per_second=[100.0, 200.0], server_flops_per_second={"a": 1e9},
-                                 device_flops_per_second=2e9))
+                                 device_flops_per_second=2e9),
+        cluster=SimpleNamespace(device=SimpleNamespace(antennas=[SimpleNamespace(bandwidth=None),
+                                                                  SimpleNamespace(bandwidth=None)])))
     b = bound(device)
     assert b["latency"] == pytest.approx(max(600 / 300.0, 6e9 / 3e9))
     assert b["fps"] == pytest.approx(min(300.0 / 600, 3e9 / 6e9))
+    # a declared (shaped) rate above the measured one counts: 0.0032 Mbit/s is 400 B/s on the second antenna
+    device.cluster.device.antennas[1].bandwidth = 0.0032
+    device.measured.server_flops_per_second = {"a": 1e12}  # compute no longer binds: the links do
+    assert bound(device)["fps"] == pytest.approx(500.0 / 600)
+    assert bound(device)["latency"] == pytest.approx(600 / 500.0)
