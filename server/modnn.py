@@ -271,13 +271,6 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
         raise invalid(f"ModnnRun: server_index {me} is not an index of the {len(peers)} peers")
     if len(peers) > MAX_PEER_CHANNELS or any(len(p) > 256 for p in peers):
         raise invalid(f"ModnnRun: at most {MAX_PEER_CHANNELS} peers of at most 256 characters each")
-    # This server dials its peers with its own token or client certificate: a client must not be able to
-    # point those credentials at an address of its choosing.
-    for k, peer in enumerate(peers):
-        if k != me and peer != NOT_A_SERVER and not peer_allowed(peer, allowed_peers):
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"ModnnRun: peer {peer[:80]!r} is not an allowed peer of this server; start it "
-                               "with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
     segments = len(request.segment_models)
     if segments < 1:
         raise invalid("ModnnRun: no segment_models")
@@ -331,6 +324,14 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
     if any(peers[k] == NOT_A_SERVER for k in talks_to):
         raise invalid(f"ModnnRun: the tables make this server exchange rows with a participant that is not a "
                       f"server ({NOT_A_SERVER!r}: the device)")
+    # This server dials its peers with its own token or client certificate: a client must not be able to
+    # point those credentials at an address of its choosing. Only the peers the tables make it talk to count
+    # (a one-stage split with lookahead talks to none, so it needs no --peers).
+    for k in sorted(talks_to):
+        if not peer_allowed(peers[k], allowed_peers):
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"ModnnRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
+                               "it with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
     return result
 
 

@@ -32,6 +32,7 @@ from tls_support import Certs, make_certs
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.rows import encode_rows
 from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import encode_request
 
@@ -321,16 +322,32 @@ def test_a_megabyte_model_name_is_invalid_argument(server: Server) -> None:
             assert len(message) < 1000
 
 
+def _one_stage_job(address: str, gather_to: int) -> dpb.ModnnRequest:
+    """Server 0's part of a one-stage lookahead split of an 8-row image (a 3x3 conv: one row of halo) with a
+    peer at a documentation address (RFC 5737) that is neither loopback nor in --peers."""
+    level0 = dpb.ModnnLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)])
+    level1 = dpb.ModnnLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)],
+                            window=[dpb.RowRange(start=0, stop=5), dpb.RowRange(start=3, stop=8)], crop=[0, 1])
+    window = np.zeros((1, 3, 5, 8), np.float32)
+    return dpb.ModnnRequest(job_id=f"j{gather_to}", peers=[address, "192.0.2.1:50051"], server_index=0,
+                            segment_models=["one-conv"], levels=[level0, level1], input=encode_rows(window, 0),
+                            lookahead=True, gather_to=gather_to, tail_model="one-conv" if gather_to else "")
+
+
 def test_modnn_peers_outside_the_allow_list_are_refused(server: Server) -> None:
-    request = dpb.ModnnRequest(job_id="j", peers=[server.address, "192.0.2.1:50051"], server_index=0,
-                               segment_models=["x"])
+    """A job that would make the server send rows to a peer outside loopback and --peers is refused; a job
+    that talks to no peer (one lookahead stage, the tail on the device) does not need its peers allowed."""
+    with InferenceClient(server.address) as c:
+        c.load_model(conv_model((3, 4)), "one-conv")
     with grpc.insecure_channel(server.address) as channel:
         run = channel.unary_stream("/deepco.DeepcoService/ModnnRun",
                                    request_serializer=dpb.ModnnRequest.SerializeToString,
                                    response_deserializer=dpb.RunEvent.FromString)
         with pytest.raises(grpc.RpcError) as info:
-            list(run(request, timeout=10))
-    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--peers" in info.value.details()
+            list(run(_one_stage_job(server.address, gather_to=2), timeout=10))  # gather on the foreign peer
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--peers" in info.value.details()
+        events = list(run(_one_stage_job(server.address, gather_to=0), timeout=10))
+    assert events, "the lookahead job talks to no peer: it runs"
 
 
 def test_probe_peer_dials_only_allowed_peers_with_bounded_work(server: Server) -> None:
