@@ -3,8 +3,10 @@
 The cost model (`deepco.planning.staged.predict`) counts FLOPs and bytes against rates measured at setup. Two
 things it cannot know until frames have run:
 
-- how fast *this model's* layers run compared with the profiled head (EfficientNet's depthwise convolutions
-  run at a fraction of a ResNet convolution's FLOP rate): a ``compute_scale`` that divides every FLOP rate;
+- how fast *this model's* layers run on the servers compared with the head they were profiled on
+  (EfficientNet's depthwise convolutions run at a fraction of a ResNet convolution's FLOP rate): a
+  ``compute_scale`` that divides every server's FLOP rate (not the device's: setup timed the device on the
+  whole model);
 - the fixed cost of one server step (message, ORT call, Python, all under a CPU quota): ``step_overhead``.
 
 `fit` finds both from timed plans by least squares on *relative* error (the planner's quality is judged as
@@ -39,9 +41,8 @@ class Timed:
 
 
 def with_compute_scale(rates: Rates, scale: float) -> Rates:
-    """``rates`` with every FLOP rate (device and servers) divided by ``scale``."""
-    return replace(rates, device_flops_per_second=rates.device_flops_per_second / scale,
-                   server_flops_per_second={k: v / scale for k, v in rates.server_flops_per_second.items()})
+    """``rates`` with every server's FLOP rate divided by ``scale``."""
+    return replace(rates, server_flops_per_second={k: v / scale for k, v in rates.server_flops_per_second.items()})
 
 
 def _overhead_for(timed: Sequence[Timed], bases: list[float]) -> float:
