@@ -300,6 +300,18 @@ def plot(document: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _document(args: argparse.Namespace, points: list[dict], started: float) -> dict:
+    """The JSON document of the points measured so far."""
+    key = {"bandwidth": "bandwidth_mbps", "capacity": "capacity_scale", "antennas": "antennas",
+           "servers": "servers"}.get(args.sweep or "")
+    return {"command": "deepco bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "deepco bench",
+            "preset": args.preset,
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+            "emulated": "EMULATED: network namespaces + tc tbf per antenna, cgroup CPU quotas (see label)",
+            "seconds": time.perf_counter() - started, "sweep": args.sweep, "sweep_key": key, "points": points}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (or a sweep), each point ``--repeat`` times, and report."""
     resolve(args)
@@ -331,14 +343,9 @@ def run(args: argparse.Namespace) -> int:
             point = aggregate(runs)
             points.append(point)
             print(table(point), flush=True)
-    key = {"bandwidth": "bandwidth_mbps", "capacity": "capacity_scale", "antennas": "antennas",
-           "servers": "servers"}.get(args.sweep or "")
-    document = {"command": "deepco bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "deepco bench",
-                "preset": args.preset,
-                "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
-                "emulated": "EMULATED: network namespaces + tc tbf per antenna, cgroup CPU quotas (see label)",
-                "seconds": time.perf_counter() - started, "sweep": args.sweep, "sweep_key": key, "points": points}
+            if args.json:  # after every point: an interrupted sweep keeps what it measured
+                Path(args.json).write_text(json.dumps(_document(args, points, started), indent=2))
+    document = _document(args, points, started)
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=2))
     if args.plot:
