@@ -8,7 +8,7 @@ import pytest
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning.calibration import Timed, choose, fit
-from deepco.planning.staged import CostModel, Rates, local_plan, offload_plan
+from deepco.planning.staged import CostModel, Rates, StagedPlan, local_plan, offload_plan
 
 H, W = 64, 96
 IN, OUT = 3 * H * W, 4000
@@ -52,3 +52,12 @@ def test_choose_takes_the_fastest_unless_a_simpler_plan_is_within_three_percent(
     # 0.1025 vs 0.1000: within 3%, and local has no server step
     assert choose([Timed(local, [0.1025]), Timed(offload, [0.095, 0.105])]).plan is local
     assert choose([Timed(local, [0.1040]), Timed(offload, [0.095, 0.105])]).plan is offload
+
+
+def test_between_plans_of_as_many_steps_within_three_percent_the_one_that_leaves_the_device_idle_wins(costs):
+    r = rates()
+    offload = offload_plan(costs, r, "s0")
+    # the paper's shape on one server: one server step like offload, but the tail runs on the device
+    head_on_s0 = StagedPlan("auto", "split", servers=["s0"], antennas=[0], order=[0], levels=["layer4"], tail=None)
+    assert choose([Timed(offload, [0.0808]), Timed(head_on_s0, [0.0801])]).plan is offload  # 0.9% apart
+    assert choose([Timed(offload, [0.0840]), Timed(head_on_s0, [0.0801])]).plan is head_on_s0  # 4.9% apart

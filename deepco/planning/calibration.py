@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from scipy.optimize import minimize_scalar
 
-from deepco.planning.staged import CostModel, Rates, StagedPlan, predict, steps
+from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, predict, steps
 
 SCALE_BOUNDS = (0.25, 4.0)  # a model's FLOP rate within 4x of the profiled head's, either way
 SIMPLER_MARGIN = 0.03  # a plan with fewer server steps wins unless a busier one is this much faster
@@ -75,9 +75,16 @@ def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, 
     return scale, _error(timed, costs, rates, scale)[1]
 
 
+def uses_the_device(plan: StagedPlan) -> bool:
+    """Whether ``plan`` computes on the device besides sending (local, a split's tail or band on the device)."""
+    return plan.kind == "local" or (plan.kind == "split" and (plan.tail is None or DEVICE in plan.servers))
+
+
 def choose(timed: Sequence[Timed]) -> Timed:
     """The fastest by mean latency; among plans within ``SIMPLER_MARGIN`` of it, the one with the fewest server
-    steps (fewer messages and servers to fail, and on a noisy machine a few percent is not a difference)."""
+    steps (fewer messages and servers to fail, and on a noisy machine a few percent is not a difference), then
+    one that leaves the device's CPU idle (a weak camera's quota'd CPU is the noisiest part of a frame to
+    measure, and the camera has work of its own), then the fastest."""
     fastest = min(timed, key=lambda t: t.mean)
     close = [t for t in timed if t.mean <= fastest.mean * (1 + SIMPLER_MARGIN)]
-    return min(close, key=lambda t: (steps(t.plan), t.mean))
+    return min(close, key=lambda t: (steps(t.plan), uses_the_device(t.plan), t.mean))
