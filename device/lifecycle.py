@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+from deepco_device.backpressure import while_busy
 
 from deepco.errors import UserError
 from deepco.wire.client import InferenceClient, content_name
@@ -33,7 +34,7 @@ class Uploads:
         with self._lock:
             if any(c.address == client.address and n == name for c, n in self._held):
                 return name
-        client.load_model(model_bytes, name)
+        while_busy(lambda: client.load_model(model_bytes, name))
         with self._lock:
             self._held.append((client, name))
         return name
@@ -70,10 +71,10 @@ def check_capacity(client: InferenceClient, needed: int) -> None:
     """Refuse (UserError) before an expensive setup if ``client``'s server has fewer than ``needed`` free
     model slots (`deepco serve --max-models`, from ServerMetadata; models this client can see count as taken,
     so under mutual TLS other identities' models are not counted and the load itself may still be refused)."""
-    limit = client.server_metadata().get("deepco_max_models")
+    limit = while_busy(client.server_metadata).get("deepco_max_models")
     if limit is None:
         return
-    loaded = client.loaded_models()
+    loaded = while_busy(client.loaded_models)
     if len(loaded) + needed > int(limit):
         raise UserError(f"server {client.address} has {len(loaded)} of its {limit} model slots taken and this "
                         f"device needs {needed}; unload some (`deepco models --cluster FILE --all`) or start it "

@@ -11,21 +11,18 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
 
-import grpc
 import numpy as np
 import onnxruntime as ort
+from deepco_device.backpressure import while_busy
 from deepco_device.channels import Channels
 from deepco_device.records import Measurements
 
 from deepco.partition import Cut, Partitioner
 from deepco.wire.client import ServerError
 
-T = TypeVar("T")
 PROBE_BYTES = 1 << 20
 PEER_PROBE_BYTES = 4 << 20  # server to server: larger, the links may be a LAN
-BUSY_BACKOFF = 0.02  # first pause (s) when every server answers RESOURCE_EXHAUSTED; doubles up to 0.5 s
 
 
 def device_session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
@@ -38,29 +35,16 @@ def device_session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
-def while_busy(call: Callable[[], T], patience: float = 60.0) -> T:
-    """``call()``, retried with backoff while the server answers RESOURCE_EXHAUSTED (back-pressure: other
-    devices' setups hold its work slots), for at most ``patience`` seconds."""
-    give_up = time.monotonic() + patience
-    pause = BUSY_BACKOFF
-    while True:
-        try:
-            return call()
-        except ServerError as exc:
-            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + pause > give_up:
-                raise
-        time.sleep(pause)
-        pause = min(2 * pause, 0.5)
-
-
 def median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
-    """Median wall time of ``runs`` calls of ``fn``."""
-    times = []
-    for _ in range(runs):
+    """Median wall time of ``runs`` calls of ``fn``. A call a busy server refuses is retried
+    (`while_busy`), and only the call that succeeded is timed."""
+
+    def timed() -> float:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    return statistics.median(while_busy(timed) for _ in range(runs))
 
 
 def marshal_seconds_per_byte(nbytes: int = 1 << 20) -> float:
@@ -85,7 +69,7 @@ def server_rates(channels: Channels, partitioner: Partitioner, reference: Cut, x
         while_busy(lambda c=c: c.load_model(data, name))
         seconds = while_busy(lambda c=c: c.profile(name, x.shape, runs=3, warmup=1).seconds)
         rates[srv.name] = reference.head_flops / seconds
-        c.unload_model(name)
+        while_busy(lambda c=c: c.unload_model(name))
     return rates
 
 
@@ -120,7 +104,8 @@ def probe_peers(channels: Channels, log: Callable[[str], None]) -> tuple[float, 
     samples = []
     for a, b in ((0, 1), (1, 0)):
         try:
-            small, large = channels.client(a, 0).probe_peer(cluster.address_on(servers[b], 0), PEER_PROBE_BYTES)
+            small, large = while_busy(lambda a=a, b=b: channels.client(a, 0).probe_peer(
+                cluster.address_on(servers[b], 0), PEER_PROBE_BYTES))
         except ServerError as exc:
             log(f"peer probe {servers[a].name} -> {servers[b].name} failed ({exc}); "
                 "assuming the antennas' bandwidth between servers")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from deepco_device.backpressure import while_busy
 from deepco_device.session import Device
 from deepco_device.staged import StagedRunner
 
@@ -102,8 +103,8 @@ class ModnnRunner:
         uploading anything."""
         for k in range(len(self.device.cluster.servers)):
             client = self.device.client(k, 0)
-            loaded = len(client.loaded_models())
-            limit = client.server_metadata().get("deepco_max_models")
+            loaded = len(while_busy(client.loaded_models))
+            limit = while_busy(client.server_metadata).get("deepco_max_models")
             if limit is not None and loaded + len(self.segments) > int(limit):
                 raise UserError(f"MoDNN at cut {self.cut.name!r} needs {len(self.segments)} segment models on "
                                 f"each server, but server {client.address} has {loaded} of its {limit} model "

@@ -31,9 +31,9 @@ import grpc
 import numpy as np
 from deepco_device import pipeline
 from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
+from deepco_device.backpressure import BUSY_BACKOFF, BUSY_BACKOFF_MAX
 from deepco_device.giveup import GiveUp
 from deepco_device.health import DriftWatch, Health
-from deepco_device.measuring import BUSY_BACKOFF
 from deepco_device.measuring import device_session as _session
 from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult
@@ -319,7 +319,7 @@ class StagedRunner:
                     raise
             if self._inflight.stopped.wait(pause):
                 raise RunStopped("the run stopped")
-            pause = min(2 * pause, 0.5)
+            pause = min(2 * pause, BUSY_BACKOFF_MAX)
 
     def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         if self.plan.kind == "round-robin":

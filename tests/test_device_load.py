@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import grpc
+from deepco_device.lifecycle import Uploads
+from deepco_device.measuring import median_seconds
+from test_server_support import conv_model, serve_process
+
+from deepco.wire.client import InferenceClient, ServerError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
@@ -14,3 +25,46 @@ def test_eight_concurrent_devices_lose_no_frame(tmp_path):
     result = load_test(devices=8, frames=6, input_size="64x80", time_limit=240, workdir=tmp_path)
     assert result["errors"] == [] and result["lost_frames"] == 0
     assert result["frames_out"] == 8 * 6
+
+
+def test_setup_waits_for_a_busy_server_and_times_only_the_call_that_got_through():
+    """CI found it: with eight devices setting up at once, a server refused one device's Echo probe with
+    RESOURCE_EXHAUSTED ("retry later") and the device exited. Here the server's work slots (--max-inflight 1:
+    three) are held by uploads whose body has not come yet; setup's probe and upload must wait and then work,
+    and the probe's time must not include the wait."""
+    release = threading.Event()
+
+    def held_body() -> Iterator[bytes]:
+        release.wait(30)
+        return
+        yield b""
+
+    with serve_process("--device", "cpu", "--threads", "1", "--max-inflight", "1") as server:
+        def hold() -> None:
+            with grpc.insecure_channel(server.address) as channel, contextlib.suppress(grpc.RpcError):
+                channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")(held_body(), timeout=30)
+
+        holders = [threading.Thread(target=hold, daemon=True) for _ in range(3)]
+        for t in holders:
+            t.start()
+        with InferenceClient(server.address, timeout=10) as client:
+            deadline = time.monotonic() + 10
+            while True:  # until all three slots are held
+                try:
+                    client.echo(1)
+                except ServerError as exc:
+                    assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    break
+                assert time.monotonic() < deadline, "the holders never filled the work slots"
+                time.sleep(0.05)
+            threading.Timer(1.0, release.set).start()
+            started = time.monotonic()
+            probe = median_seconds(lambda: client.echo(1), runs=3)
+            waited = time.monotonic() - started
+            assert waited >= 0.8, "the probe got through while every slot was held"
+            assert probe < 0.5 * waited, (probe, waited)
+            name = Uploads().upload(client, conv_model(channels=(3, 4)), "conv")
+            assert name in client.loaded_models()
+        for t in holders:
+            t.join(timeout=30)
+
