@@ -23,6 +23,7 @@ from pathlib import Path
 
 from deepco import modelcard
 from deepco.errors import UserError
+from deepco.planning.calibration import FIDELITY
 from deepco.testbed import ServerSpec, Testbed, TestbedSpec
 
 DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the issue's heterogeneous servers, fractions of one core
@@ -230,6 +231,26 @@ def violations(point: dict) -> list[str]:
     return bad
 
 
+def unpredicted(point: dict) -> list[str]:
+    """A line per repeat whose auto plan's measured / predicted falls outside ``FIDELITY``, with the plan's
+    own reason (from calibration) or, where calibration's frames did match it, the difference between
+    calibration's and the benchmark's frames."""
+    lines = []
+    for k, run in enumerate(point.get("runs", [])):
+        r = run["algorithms"].get("auto")
+        if r is None or not r.get("measured_over_predicted") or \
+                FIDELITY[0] <= r["measured_over_predicted"] <= FIDELITY[1]:
+            continue
+        f = r.get("plan", {}).get("fidelity") or {}
+        why = f.get("why") or (
+            f"calibration measured {f['measured'] * 1e3:.1f} ms over {f['frames']} frames (ratio {f['ratio']:.2f}), "
+            f"the benchmark's frames {r['p50'] * 1e3:.1f} ms: the machine ran this plan differently then"
+            if f else "the plan was not calibrated")
+        lines.append(f"auto, repeat {k + 1}: measured/predicted {r['measured_over_predicted']:.2f} is outside "
+                     f"{FIDELITY[0]}-{FIDELITY[1]}: {why}")
+    return lines
+
+
 def table(point: dict) -> str:
     """One point's results as a table (milliseconds; medians over the repeats, the fastest row marked *)."""
     algos = point["algorithms"]
@@ -256,6 +277,7 @@ def table(point: dict) -> str:
     for name in ("auto", "auto-throughput"):
         if name in algos:
             lines.append(f"{name} plan: {algos[name]['plan_text'][0]}")
+    lines += unpredicted(point)
     lines += [f"WARNING (measurement below the physical bound): {v}" for v in violations(point)]
     return "\n".join(lines)
 

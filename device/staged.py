@@ -39,7 +39,7 @@ from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult
 
 from deepco.errors import UserError
-from deepco.planning.calibration import Timed, choose, fit, with_compute_scale
+from deepco.planning.calibration import Timed, choose, fidelity, fit, with_compute_scale
 from deepco.planning.modnn import NOT_A_SERVER
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import DEVICE, CostModel, StagedPlan, best_offload, search, steps, throughput
@@ -211,10 +211,15 @@ class StagedPlanner:
                 self.device.log(f"calibration (runoff, {len(t.seconds)} frames): {t.plan.describe()}: "
                                 f"{t.mean * 1e3:.1f} ms")
             self._fit(timed.values())
-            chosen = choose(list(runoff.values())).plan
+            chosen = timed[_plan_key(choose(list(runoff.values())).plan)]
         else:
-            chosen = timed[finalists[0]].plan
-        return self._repredict(chosen)
+            chosen = timed[finalists[0]]
+        plan = self._repredict(chosen.plan)
+        plan.fidelity = fidelity(chosen, list(timed.values()), self.costs, self.rates())
+        if plan.fidelity["why"]:
+            self.device.log(f"calibration: the prediction for the chosen plan does not hold "
+                            f"(measured / predicted {plan.fidelity['ratio']:.2f}): {plan.fidelity['why']}")
+        return plan
 
     def _fit(self, timed: Iterable[Timed]) -> None:
         self.compute_scale, self.step_overhead = fit(list(timed), self.costs, self.device.measured.rates())

@@ -253,3 +253,11 @@ def test_plan_with_a_model_is_a_dry_run_on_the_real_servers(address_only):
     assert [InferenceClient(a).loaded_models() for a in addresses] == before
     result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--algorithm", "modnn-sa")
     assert result.returncode == 2 and "with --model choose one of thread, thread-sa, single, equal" in result.stderr
+    # equal exists for real models only: the dry run plans it, the abstract workload model says to give --model
+    result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64", "--json",
+                    "--algorithm", "equal", timeout=300)
+    assert result.returncode == 0, result.stderr
+    sizes = [s["stop"] - s["start"] for s in json.loads(result.stdout)["plan"]["slices"]]
+    assert len(sizes) == len(addresses) and max(sizes) - min(sizes) <= 1, sizes
+    result = deepco("plan", "--cluster", str(EXAMPLE), "--algorithm", "equal")
+    assert result.returncode == 2 and "give --model" in result.stderr and "Traceback" not in result.stderr

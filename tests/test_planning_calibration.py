@@ -7,8 +7,8 @@ import pytest
 
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
-from deepco.planning.calibration import Timed, choose, fit
-from deepco.planning.staged import CostModel, Rates, StagedPlan, local_plan, offload_plan
+from deepco.planning.calibration import Timed, choose, fidelity, fit
+from deepco.planning.staged import CostModel, Rates, StagedPlan, local_plan, offload_plan, predict
 
 H, W = 64, 96
 IN, OUT = 3 * H * W, 4000
@@ -61,3 +61,18 @@ def test_between_plans_of_as_many_steps_within_three_percent_the_one_that_leaves
     head_on_s0 = StagedPlan("auto", "split", servers=["s0"], antennas=[0], order=[0], levels=["layer4"], tail=None)
     assert choose([Timed(offload, [0.0808]), Timed(head_on_s0, [0.0801])]).plan is offload  # 0.9% apart
     assert choose([Timed(offload, [0.0840]), Timed(head_on_s0, [0.0801])]).plan is head_on_s0  # 4.9% apart
+
+
+def test_a_prediction_that_holds_needs_no_reason_and_one_that_does_not_gets_one(costs):
+    r = rates()
+    offload, local = offload_plan(costs, r, "s0"), local_plan(costs, r)
+    predicted = predict(offload, costs, r)["frame"]  # the cost model's own tests check this number
+    held = fidelity(Timed(offload, [1.1 * predicted] * 4), [], costs, r)
+    assert held["within"] and held["ratio"] == pytest.approx(1.1) and held["why"] == ""
+    # 1.5x slower than predicted, steady frames: the reason lists every timed plan's ratio
+    off = Timed(offload, [1.5 * predicted] * 4)
+    steady = fidelity(off, [off, Timed(local, [costs.total_flops / 1e9])], costs, r)
+    assert not steady["within"] and "1.50 for" in steady["why"] and "1.00 for" in steady["why"]
+    # frames 0.5x-2.5x the prediction: the mean itself is uncertain, and the reason says so
+    noisy = fidelity(Timed(offload, [0.5 * predicted, 2.5 * predicted]), [], costs, r)
+    assert not noisy["within"] and "varied by 67%" in noisy["why"]

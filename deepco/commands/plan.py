@@ -14,16 +14,19 @@ import json
 
 from deepco import modelcard
 from deepco.cluster import load_cluster
+from deepco.errors import UserError
 from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
 from deepco.wire import security
 
 DRY_RUN = "deepco_device.plan_command"
+MODEL_ONLY = ("equal",)  # row plans the device's dry run has and the abstract workload model has not
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco plan`."""
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file")
-    p.add_argument("--algorithm", default="thread", choices=list(ALGORITHMS), help="planner (default: thread)")
+    p.add_argument("--algorithm", default="thread", choices=[*ALGORITHMS, *MODEL_ONLY],
+                   help="planner (default: thread; equal: with --model only)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
     dry = p.add_argument_group("dry run on the real servers (with --model: measure, plan, print; nothing is run)")
     dry.add_argument("--model", default=None,
@@ -53,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     """Load the cluster, plan, print (or, with --model, hand over to the device's dry run)."""
     if args.model is not None:
         return importlib.import_module(DRY_RUN).run(args)
+    if args.algorithm in MODEL_ONLY:
+        raise UserError(f"--algorithm {args.algorithm} plans a real model's rows: give --model (the abstract "
+                        f"[workload] is planned with one of {', '.join(ALGORITHMS)})")
     plan = make_plan(Instance.from_cluster(load_cluster(args.cluster)), args.algorithm)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0

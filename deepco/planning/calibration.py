@@ -88,3 +88,33 @@ def choose(timed: Sequence[Timed]) -> Timed:
     fastest = min(timed, key=lambda t: t.mean)
     close = [t for t in timed if t.mean <= fastest.mean * (1 + SIMPLER_MARGIN)]
     return min(close, key=lambda t: (steps(t.plan), uses_the_device(t.plan), t.mean))
+
+
+FIDELITY = (0.8, 1.25)  # measured / predicted a plan's prediction is held to
+NOISY_FRAMES = 0.2  # a coefficient of variation of the chosen plan's frames above this makes its mean uncertain
+
+
+def fidelity(chosen: Timed, timed: Sequence[Timed], costs: CostModel, rates: Rates) -> dict:
+    """How well the fitted model (``rates``: compute scale and step overhead applied) predicts ``chosen``, as
+    calibration measured it, and when measured / predicted is outside ``FIDELITY``, why: either the chosen
+    plan's own frames vary too much for their mean to mean much, or the model's two fitted terms cannot fit
+    every timed plan at once (their measured / predicted ratios are listed, so the plan kinds the model
+    misjudges can be seen)."""
+    predicted = predict(chosen.plan, costs, rates)["frame"]
+    ratio = chosen.mean / predicted
+    report = {"measured": chosen.mean, "frames": len(chosen.seconds), "predicted": predicted, "ratio": ratio,
+              "within": FIDELITY[0] <= ratio <= FIDELITY[1], "why": ""}
+    if report["within"]:
+        return report
+    spread = statistics.pstdev(chosen.seconds) / chosen.mean if len(chosen.seconds) > 1 else 0.0
+    if spread > NOISY_FRAMES:
+        report["why"] = (f"its {len(chosen.seconds)} calibration frames varied by {spread:.0%} of their mean "
+                         "(a shared or quota'd CPU), so the measured mean is itself uncertain")
+        return report
+    others = sorted(((t.mean / predict(t.plan, costs, rates)["frame"], t.plan.describe()) for t in timed),
+                    key=lambda rp: rp[0])
+    listed = "; ".join(f"{r:.2f} for {d}" for r, d in others)
+    report["why"] = (f"the cost model's two fitted terms (the servers' FLOP rate on this model, the fixed cost of "
+                     f"a step) cannot fit every timed plan at once: measured / predicted was {listed}. The "
+                     "plan was chosen on measured time, not on this prediction")
+    return report

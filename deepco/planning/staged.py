@@ -82,6 +82,9 @@ class StagedPlan:
     tail: str | None = None  # participant that gathers and runs the rest; None: the device
     predicted: float = 0.0
     breakdown: dict = field(default_factory=dict)
+    # set by calibration (`deepco.planning.calibration.fidelity`): measured against predicted, and why when
+    # the prediction does not hold
+    fidelity: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON form (tuples become lists)."""
