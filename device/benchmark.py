@@ -28,7 +28,7 @@ import onnxruntime as ort
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
-from deepco_device.staged import SETTLE_SECONDS
+from deepco_device.staged import SETTLE_SECONDS, rotation
 from tqdm import tqdm
 
 from deepco import modelcard
@@ -145,9 +145,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 check(a, runners[a].frame(px)[0])
         latencies: dict[str, list[float]] = {a: [] for a in algorithms}
         for k in tqdm(range(args.frames), desc="latency (algorithms interleaved)", file=sys.stderr):
-            # The order rotates every round: a frame's time depends on what ran just before it (a CPU quota
-            # that the previous frame drained, caches), and identical plans measured ~10% apart at fixed spots.
-            for a in algorithms[k % len(algorithms):] + algorithms[:k % len(algorithms)]:
+            for a in rotation(algorithms, k):
                 time.sleep(SETTLE_SECONDS)
                 output, latency = runners[a].frame(px)
                 check(a, output)

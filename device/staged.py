@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -47,6 +47,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, WrongAnswer
 from deepco.wire.rows import encode_rows
 
+T = TypeVar("T")
 SETTLE_SECONDS = 0.03  # three CFS periods between timed frames: every quota starts a frame refilled
 RUNOFF_WITHIN = 0.25  # calibrated plans this close to the fastest are timed again side by side
 
@@ -86,6 +87,14 @@ class _InFlight:
 def _plan_key(plan: StagedPlan) -> str:
     """What identifies a plan: everything but its prediction."""
     return json.dumps(plan.to_dict() | {"predicted": 0, "breakdown": {}, "algorithm": ""}, sort_keys=True)
+
+
+def rotation(items: list[T], k: int) -> list[T]:
+    """``items`` starting at position ``k`` (mod its length): the order of the ``k``-th round when plans are
+    timed side by side. A frame's time depends on what ran just before it (a CPU quota the previous frame
+    drained, caches): identical plans measured ~10% apart at fixed spots, so the order rotates every round."""
+    k %= len(items)
+    return items[k:] + items[:k]
 
 
 class StagedPlanner:
@@ -201,7 +210,7 @@ class StagedPlanner:
             # side as the benchmark runs them (interleaved, rotating, each frame on refilled quotas).
             runoff = {k: Timed(timed[k].plan, []) for k in finalists}
             for i in range(runoff_frames):
-                for k in finalists[i % len(finalists):] + finalists[:i % len(finalists)]:
+                for k in rotation(finalists, i):
                     time.sleep(SETTLE_SECONDS)
                     runoff[k].seconds.append(runners[k].run_frame(px)[1]["latency"])
             for k, t in runoff.items():
