@@ -144,3 +144,33 @@ def test_a_server_killed_mid_run_loses_no_frame_under_a_multi_stage_plan(servers
         assert r.error is None, r.error
         want = reference(dev, px)
         assert float(np.abs(r.output - want).max()) / float(np.abs(want).max()) < 1e-4
+
+
+def test_every_plan_shape_is_exact_on_a_hand_made_net_with_strides_dilation_and_concat(servers, tmp_path):
+    """The kitchen-sink net of test_partition_ops (stride 3 with asymmetric pads, a dilated branch concatenated
+    with a depthwise one, ceil-mode pools, explicit Pad, residual, SAME_LOWER, VALID) under the staged plan
+    shapes: one fused stage with the tail on the device, stages with exchanges and the tail on a server, bands
+    exchanged from the image on, and the device as a participant."""
+    import onnx
+    from test_partition_ops import kitchen_sink
+
+    path = tmp_path / "kitchen_sink.onnx"
+    onnx.save(kitchen_sink(), str(path))
+    h, w = 101, 67  # odd sizes: every stride leaves a remainder somewhere
+    with make_device(servers, str(path), h, w) as dev:
+        planner = StagedPlanner(dev)
+        cuts = [c.name for c in planner.costs.cuts]
+        assert {"branches", "clip"} <= set(cuts), cuts  # the concat and the stride-2 conv after the pad
+        shapes = [(["s0", "s1", "s2"], ["residual"], True, None),
+                  (["s0", "s1", "s2"], ["branches", "clip"], True, "s0"),
+                  (["s1", "s2"], ["pool_ceil", "avg_ceil"], True, "s2"),
+                  (["s0", "s1"], ["stem_relu", "branches", "pool_ceil"], False, "s1"),
+                  (["s0", DEVICE], ["branches"], True, None)]
+        for chosen, levels, lookahead, tail in shapes:
+            plan = split_plan(planner.costs, planner.rates(), chosen, levels, lookahead, tail)
+            assert plan is not None, (chosen, levels)
+            runner = StagedRunner(dev, plan)
+            for seed in range(2):
+                check(dev, runner, pixels(h, w, seed))
+        for name in ("local", "offload"):
+            check(dev, StagedRunner(dev, planner.named(name)), pixels(h, w, 7))
