@@ -29,7 +29,7 @@ from deepco_device.preprocess import normalise
 from deepco_device.session import Device
 from deepco_device.sources import make_pan_zoom_clip
 from deepco_device.staged import StagedPlanner, StagedRunner
-from test_server_support import ROOT, ServeProcess, serve_process
+from test_server_support import ROOT, ServeProcess, child_env, serve_process
 
 from deepco.cluster import parse_cluster
 from deepco.errors import UserError
@@ -46,7 +46,7 @@ def lying_server(lie: str, *flags: str) -> Iterator[ServeProcess]:
     """tests/lying_server.py LIE, lying from the start, as a ServeProcess."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lying_server.py"), lie, "--from-start", "--",
                              "--port", "0", "--threads", "1", *flags], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
