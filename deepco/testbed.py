@@ -103,6 +103,28 @@ def cgroup_root() -> tuple[str, Path] | None:
     return None
 
 
+def cpu_quota_of(pid: int) -> float | None:
+    """The CPU quota (cores) of process ``pid``'s cpu cgroup, or None if it has none (or none can be read).
+    Read from outside the testbed's namespaces: `ip netns exec` mounts a sysfs of its own, without cgroups."""
+    root = cgroup_root()
+    if root is None:
+        return None
+    version, base = root
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (version == "v2" and controllers == "") or (version == "v1" and "cpu" in controllers.split(",")):
+            group = base / path.lstrip("/")
+            try:
+                if version == "v2":
+                    quota, period = (group / "cpu.max").read_text().split()
+                    return None if quota == "max" else int(quota) / int(period)
+                quota = int((group / "cpu.cfs_quota_us").read_text())
+                return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+            except (OSError, ValueError):
+                return None
+    return None
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, capture_output=True, text=True)
     if check and result.returncode != 0:
@@ -162,6 +184,7 @@ class Testbed:
     spec: TestbedSpec
     force_fallback: bool = False
     defer_cpu_limits: bool = False  # start processes at full speed; apply_cpu_limits() when they are up
+    # (the device's group too: apply_cpu_limits() sets it, or apply_device_cpu_limit() on its own)
     # <= 7 characters, so that prefix + "s123" fits Linux's 15-character interface names
     prefix: str = field(default_factory=lambda: f"dc{(os.getpid() * 8 + next(_SERIAL)) % 0xFFFFF:05x}")
     processes: list[subprocess.Popen] = field(default_factory=list)
@@ -197,7 +220,8 @@ class Testbed:
         peers = "unshaped (LAN)" if spec.peer_mbps is None else f"{spec.peer_mbps:g} Mbit/s per server link"
         if self.kernel:
             return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, delay {spec.delay_ms:g} ms, shared per "
-                    f"antenna); server CPU shares {cpus} of a core, device {device} (cgroup quotas); "
+                    f"antenna); server CPU shares {cpus} of a core, device {device} (cgroup quotas"
+                    f"{', applied once each process has started up' if self.defer_cpu_limits else ''}); "
                     f"server-to-server {peers}; network namespaces")
         return (f"EMULATED edge network (fallback, {self.reason}): loopback, antennas {bw} Mbit/s by app-level "
                 f"pacing only, server CPU shares {cpus} approximated by process priority only")
@@ -296,7 +320,7 @@ class Testbed:
                     self._shape(ant, f"s{k}", spec.peer_mbps)
                     self._shape(ns, f"ant{m}", spec.peer_mbps)
             self._make_cgroup(f"s{k}", None if self.defer_cpu_limits else server.cpu)
-        self._make_cgroup("dev", spec.device_cpu)
+        self._make_cgroup("dev", None if self.defer_cpu_limits else spec.device_cpu)
 
     def _shape(self, ns: str, dev: str, mbps: float) -> None:
         """Token bucket at ``mbps`` on ``dev``'s egress; with a delay, a netem child under it."""
@@ -312,11 +336,19 @@ class Testbed:
             raise TestbedError(f"testbed: cannot emulate a {self.spec.delay_ms:g} ms delay: this kernel has no "
                                f"netem qdisc ({result.stderr.strip()}); run without a delay")
 
-    def apply_cpu_limits(self) -> None:
-        """Set every server's CPU quota (after a deferred start)."""
+    def apply_cpu_limits(self, device: bool = True) -> None:
+        """Set every server's CPU quota, and with ``device`` the device's (after a deferred start)."""
         if self.kernel:
             for k, server in enumerate(self.spec.servers):
                 self._make_cgroup(f"s{k}", server.cpu)
+        if device:
+            self.apply_device_cpu_limit()
+
+    def apply_device_cpu_limit(self) -> None:
+        """Set the device's CPU quota (after a deferred start): processes already spawned into the device's
+        group run under it from now on."""
+        if self.kernel:
+            self._make_cgroup("dev", self.spec.device_cpu)
 
     def _cgroup(self, who: str) -> Path:
         root = cgroup_root()

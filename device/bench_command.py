@@ -17,14 +17,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from deepco_device.benchmark import GO, LOADED
+
 from deepco import modelcard
 from deepco.errors import UserError
 from deepco.planning.calibration import FIDELITY
-from deepco.testbed import ServerSpec, Testbed, TestbedSpec
+from deepco.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 
 DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the issue's heterogeneous servers, fractions of one core
 PORT = 50051
@@ -138,6 +141,25 @@ def write_cluster(path: Path, tb: Testbed, ports: list[int], bandwidth: float) -
     return path
 
 
+def _device_quota_after_loading(tb: Testbed, proc: subprocess.Popen, timeout: float) -> float | None:
+    """Wait for the worker's LOADED line, apply the device's CPU quota, answer GO (see benchmark --handshake);
+    the quota the worker's cgroup has when it is let go (None: it exited first, e.g. on a bad model, and
+    reports its own error)."""
+    reply: list[str] = []
+    reader = threading.Thread(target=lambda: reply.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    if not reply or reply[0].strip() != LOADED:
+        return None
+    tb.apply_device_cpu_limit()
+    quota = cpu_quota_of(proc.pid)
+    proc.stdin.write(GO + "\n")
+    proc.stdin.flush()
+    return quota
+
+
 def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: float, scale: float,
               workdir: Path) -> dict:
     """Build a testbed, start servers, run the device benchmark in it, tear it all down."""
@@ -161,7 +183,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
             line = proc.stdout.readline()
             if "listening" not in line:
                 raise UserError(f"server s{k} did not start in the testbed (it printed {line.strip()!r})")
-        tb.apply_cpu_limits()  # only now: start-up at a tenth of a core would take a while
+        tb.apply_cpu_limits(device=False)  # only now: start-up at a tenth of a core would take a while
         cluster = write_cluster(workdir / f"cluster-{servers}-{antennas}-{bandwidth:g}-{scale:g}.toml", tb, ports,
                                 bandwidth)
         out = workdir / "point.json"
@@ -173,9 +195,17 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
             worker += ["--peer-mbps", str(spec.peer_mbps)]
         if not tb.kernel:
             worker.append("--pace")
+        else:  # the device's quota starts once its model is loaded, before it measures anything
+            worker.append("--handshake")
+        proc = tb.spawn(worker, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) if tb.kernel \
+            else tb.spawn(worker)
+        quota = None
         try:
-            code = tb.spawn(worker).wait(timeout=args.timeout)
+            if tb.kernel:
+                quota = _device_quota_after_loading(tb, proc, args.timeout)
+            code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
             code = None
         if code != 0:
             for k, log in enumerate(logs):
@@ -186,7 +216,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
             raise UserError(f"the device benchmark failed ({why}; see the messages above)")
         point = json.loads(out.read_text())
     point.update({"servers": servers, "antennas": antennas, "bandwidth_mbps": bandwidth, "cpu_shares": shares,
-                  "device_share": args.device_share, "peer_bandwidth": args.peer_bandwidth})
+                  "device_share": args.device_share, "device_cpu_quota": quota, "peer_bandwidth": args.peer_bandwidth})
     return point
 
 

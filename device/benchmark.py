@@ -36,6 +36,7 @@ from deepco.cluster import load_cluster
 from deepco.errors import UserError
 
 WARMUP_FRAMES = 2
+LOADED, GO = "deepco-bench: model loaded", "go"  # the --handshake lines
 MODNN = ("modnn-sa", "modnn-ma")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
@@ -119,6 +120,13 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     device = Device(cluster, args.model, h, w, algorithm="thread", cut=args.cut, pace=args.pace, depth=1, log=log,
                     preprocessing=how)
     with device:
+        device.load()
+        if args.handshake:
+            # The bench applies the device's CPU quota now: loading (exporting) the model is what a camera
+            # did before it was switched on, and at a tenth of a core it took a minute per repeat.
+            print(LOADED, flush=True)
+            if sys.stdin.readline().strip() != GO:
+                raise UserError("the bench did not confirm the device's CPU quota")
         device.setup()
         planner = device.planner  # the paper's plans are predicted on the same (calibrated) rates as auto's
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
@@ -197,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-mbps", type=float, default=None, help="the servers' own links (MoDNN's exchanges)")
     p.add_argument("--label", default="")
     p.add_argument("--out", required=True)
+    p.add_argument("--handshake", action="store_true",
+                   help=f"print {LOADED!r} once the model is loaded, and wait for {GO!r} on stdin (the device's CPU "
+                        "quota applied) before measuring anything")
     modelcard.add_arguments(p)
     args = p.parse_args(argv)
     try:

@@ -60,6 +60,7 @@ class Device:
         self.plan: StagedPlan | None = None
         self.cut: Cut | None = None
         self.measured: Measurements | None = None
+        self.partitioner: Partitioner | None = None  # with the models, set by load()
         self.preprocessing = preprocessing or preprocessing_for(model)  # checked against the model in setup()
         self.channels = self.preprocessing.channels  # colour channels of the pixels sent
         self.tag = re.sub(r"[^A-Za-z0-9_.-]", "_", model.rsplit("/", 1)[-1])
@@ -86,17 +87,24 @@ class Device:
         self.close()
 
     # ---- setup ----------------------------------------------------------------------------------------
-    def setup(self, rows: bool = True) -> StagedPlan | None:
-        """Load and measure; with ``rows`` also plan ``algorithm`` the paper's way (printed through ``log``)
-        and return that plan. ``rows=False`` stops after measuring: the staged planner (device/staged.py)
-        plans for itself, and the paper's plans over every cut would only cost time (seconds per cut on a
-        weak device). Nothing is uploaded here: a runner uploads what its plan needs."""
+    def load(self) -> None:
+        """Load (or export) the model, check its input and build its partitioner: what a camera has done
+        before it is switched on (`setup` does it if it has not been done)."""
         self.reference_model = load_model(self.model_spec, self.height, self.width, self.weights)
         how = self.preprocessing
         check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
         # the device sends uint8 pixels; the normalisation runs in the first stage's graph
         self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
-        self.partitioner = p = Partitioner(self.model, self.height, self.width)
+        self.partitioner = Partitioner(self.model, self.height, self.width)
+
+    def setup(self, rows: bool = True) -> StagedPlan | None:
+        """Load and measure; with ``rows`` also plan ``algorithm`` the paper's way (printed through ``log``)
+        and return that plan. ``rows=False`` stops after measuring: the staged planner (device/staged.py)
+        plans for itself, and the paper's plans over every cut would only cost time (seconds per cut on a
+        weak device). Nothing is uploaded here: a runner uploads what its plan needs."""
+        if self.partitioner is None:
+            self.load()
+        p = self.partitioner
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
         if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
             cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts

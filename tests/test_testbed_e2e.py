@@ -29,3 +29,5 @@ def test_thread_and_modnn_on_the_testbed_equal_the_whole_model(tmp_path):
         assert r["frames"] == 2
         assert r["max_relative_error"] <= 1e-4, name
     assert len(point["algorithms"]["equal"]["servers"]) == 3  # a real three-way split over the namespaces
+    # the device's model is loaded at full speed, and everything measured runs under its quota (default 0.5)
+    assert point["device_cpu_quota"] == pytest.approx(0.5)
