@@ -4,7 +4,8 @@
 
 One table per point: every algorithm's median p50 (min-max over the repeats), p95, pipelined fps, predicted
 latency, measured / predicted, p50 / physical bound and the worst relative error against the whole model;
-the least p50 is in bold, and the line under the table says which plan `auto` ran.
+the least p50 is in bold, and the lines under the table say which plan `auto` ran and, where its
+prediction missed, why.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from deepco_device.bench_command import unpredicted
 
 
 def ms(seconds: float | None) -> str:
@@ -41,6 +44,7 @@ def point_table(point: dict) -> str:
         if name in algos:
             plans = sorted(set(algos[name]["plan_text"]))
             lines.append(f"`{name}` ran: " + "; ".join(f"`{p}`" for p in plans) + ".")
+    lines += [f"{line}." for line in unpredicted(point)]
     return "\n".join(lines)
 
 
@@ -50,6 +54,8 @@ def main(paths: list[str]) -> int:
         doc = json.loads(Path(path).read_text())
         for point in doc["points"]:
             where = ", ".join(f"{k} {point[k]}" for k in ("bandwidth_mbps", "servers", "antennas") if k in point)
+            if "cpu_shares" in point:
+                where += f", server CPU {','.join(f'{c:g}' for c in point['cpu_shares'])}"
             print(f"### {Path(path).stem}: {point['model']} {point['input_size']} ({where}; "
                   f"{point['repeats']} repeat(s))\n")
             print(f"`{doc['command']}` — {doc['date']}, {doc['machine']}, {doc['seconds']:.0f} s. {doc['emulated']}\n")
