@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import numpy as np
 import onnx
 import pytest
+
+ORT_SESSIONS_KEPT = 4  # a whole model and the head and tail of the split being checked, and one spare
 
 
 def _session(model: onnx.ModelProto):
@@ -44,15 +47,20 @@ def partition_zoo(tmp_path_factory) -> Callable[[str, int, int], tuple[onnx.Mode
 
 @pytest.fixture(scope="session")
 def partition_ort() -> Callable[[onnx.ModelProto, dict[str, np.ndarray]], list[np.ndarray]]:
-    """Run an ONNX model with ONNX Runtime on named inputs (sessions cached by model identity)."""
-    sessions: dict[int, object] = {}
-    keep: list[onnx.ModelProto] = []  # keep models alive so their ids stay unique
+    """Run an ONNX model with ONNX Runtime on named inputs (the last few sessions cached by model identity:
+    every split makes new head and tail models, and keeping all their sessions held ~10 GB by the end of a
+    suite run)."""
+    sessions: collections.OrderedDict[int, tuple[onnx.ModelProto, object]] = collections.OrderedDict()
 
     def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        if id(model) not in sessions:
-            keep.append(model)
-            sessions[id(model)] = _session(model)
-        return sessions[id(model)].run(None, feeds)
+        key = id(model)
+        if key in sessions and sessions[key][0] is model:
+            sessions.move_to_end(key)
+        else:  # the model is kept with its session, so its id cannot be reused while cached
+            sessions[key] = (model, _session(model))
+            while len(sessions) > ORT_SESSIONS_KEPT:
+                sessions.popitem(last=False)
+        return sessions[key][1].run(None, feeds)
 
     return run
 
