@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from deepco_device.bench_command import unpredicted
+from deepco_device.bench_command import twins, unpredicted
 
 
 def ms(seconds: float | None) -> str:
@@ -44,7 +44,7 @@ def point_table(point: dict) -> str:
         if name in algos:
             plans = sorted(set(algos[name]["plan_text"]))
             lines.append(f"`{name}` ran: " + "; ".join(f"`{p}`" for p in plans) + ".")
-    lines += [f"{line}." for line in unpredicted(point)]
+    lines += [f"{line}." for line in twins(point) + unpredicted(point)]
     return "\n".join(lines)
 
 

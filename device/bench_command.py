@@ -27,6 +27,7 @@ from deepco_device.benchmark import GO, LOADED
 from deepco import modelcard
 from deepco.errors import UserError
 from deepco.planning.calibration import FIDELITY
+from deepco.planning.staged import same_plan
 from deepco.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 
 DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the issue's heterogeneous servers, fractions of one core
@@ -261,6 +262,19 @@ def violations(point: dict) -> list[str]:
     return bad
 
 
+def twins(point: dict) -> list[str]:
+    """A line per row that ran the very plan `auto` ran (in which repeats): their p50s differ by the
+    benchmark's own noise between two runners of one plan, not by a choice."""
+    same: dict[str, list[int]] = {}
+    for k, run in enumerate(point.get("runs", [])):
+        auto = run["algorithms"].get("auto", {}).get("plan")
+        for name, r in run["algorithms"].items():
+            if name != "auto" and auto is not None and r.get("plan") is not None and same_plan(auto, r["plan"]):
+                same.setdefault(name, []).append(k + 1)
+    return [f"auto ran the same plan as {name} in repeat(s) {', '.join(map(str, ks))} of {len(point['runs'])}: "
+            "there the two rows differ by measurement noise only" for name, ks in same.items()]
+
+
 def unpredicted(point: dict) -> list[str]:
     """A line per repeat whose auto plan's measured / predicted falls outside ``FIDELITY``, with the plan's
     own reason (from calibration) or, where calibration's frames did match it, the difference between
@@ -307,7 +321,7 @@ def table(point: dict) -> str:
     for name in ("auto", "auto-throughput"):
         if name in algos:
             lines.append(f"{name} plan: {algos[name]['plan_text'][0]}")
-    lines += unpredicted(point)
+    lines += twins(point) + unpredicted(point)
     lines += [f"WARNING (measurement below the physical bound): {v}" for v in violations(point)]
     return "\n".join(lines)
 

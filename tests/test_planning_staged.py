@@ -17,6 +17,7 @@ from deepco.planning.staged import (
     offload_plan,
     round_robin_fps,
     round_robin_plan,
+    same_plan,
     search,
     split_plan,
     throughput,
@@ -90,3 +91,14 @@ def test_the_physical_bound_is_the_formula():
     device.measured.server_flops_per_second = {"a": 1e12}  # compute no longer binds: the links do
     assert bound(device)["fps"] == pytest.approx(500.0 / 600)
     assert bound(device)["latency"] == pytest.approx(600 / 500.0)
+
+
+def test_same_plan_ignores_the_name_and_the_prediction_only(costs):
+    r = rates()
+    offload = offload_plan(costs, r, "s0")
+    auto = offload_plan(costs, rates(servers=(8e9, 2e9)), "s0")  # another prediction, the same plan
+    auto.algorithm, auto.fidelity = "auto", {"ratio": 1.1}
+    assert auto.predicted != offload.predicted
+    assert same_plan(auto.to_dict(), offload.to_dict())
+    assert not same_plan(offload_plan(costs, r, "s1").to_dict(), offload.to_dict())
+    assert not same_plan(local_plan(costs, r).to_dict(), offload.to_dict())

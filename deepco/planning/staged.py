@@ -114,6 +114,13 @@ class StagedPlan:
         return (f"{self.algorithm}: split over {who}, stages ending at {stages}, {how}, {where}")
 
 
+def same_plan(a: dict, b: dict) -> bool:
+    """Whether two plans (`StagedPlan.to_dict` form) run the same way: equal in everything but their name,
+    prediction and calibration report."""
+    volatile = {"algorithm", "predicted", "breakdown", "fidelity"}
+    return {k: v for k, v in a.items() if k not in volatile} == {k: v for k, v in b.items() if k not in volatile}
+
+
 class CostModel:
     """The model's exact costs for the planner: segments between any two cut points, cached.
 
