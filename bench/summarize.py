@@ -14,12 +14,33 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 from deepco_device.bench_command import twins, unpredicted
 
 
 def ms(seconds: float | None) -> str:
     """Milliseconds, or a dash."""
     return "-" if seconds is None else f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def versus_best(point: dict, rows: tuple[str, ...] = ("local", "offload"), draws: int = 2000) -> str | None:
+    """`auto`'s p50 over the best of ``rows``' (medians over the repeats, as in the table), with a 95%
+    bootstrap interval: each repeat's frames resampled, the statistic recomputed ``draws`` times."""
+    runs = point.get("runs", [])
+    if not runs or any(name not in runs[0]["algorithms"] for name in ("auto", *rows)):
+        return None
+    rng = np.random.default_rng(0)
+
+    def ratio(sample) -> float:
+        p50 = {n: np.median([np.median(sample(r["algorithms"][n]["latencies"])) for r in runs])
+               for n in ("auto", *rows)}
+        return float(p50["auto"] / min(p50[n] for n in rows))
+
+    measured = ratio(lambda xs: np.asarray(xs))
+    boot = [ratio(lambda xs: rng.choice(xs, size=len(xs))) for _ in range(draws)]
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return (f"`auto` / best of {' and '.join(rows)}: {measured:.2f} (95% bootstrap interval over the frames "
+            f"{lo:.2f}-{hi:.2f})")
 
 
 def point_table(point: dict) -> str:
@@ -44,7 +65,8 @@ def point_table(point: dict) -> str:
         if name in algos:
             plans = sorted(set(algos[name]["plan_text"]))
             lines.append(f"`{name}` ran: " + "; ".join(f"`{p}`" for p in plans) + ".")
-    lines += [f"{line}." for line in twins(point) + unpredicted(point)]
+    versus = versus_best(point)
+    lines += [f"{line}." for line in ([versus] if versus else []) + twins(point) + unpredicted(point)]
     return "\n".join(lines)
 
 
