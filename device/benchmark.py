@@ -3,7 +3,7 @@
 Runs where the device lives (inside the testbed's device namespace), sets the device up once (the same
 measurements for every algorithm), then
 1. latency: one frame at a time per algorithm (nothing pipelined, so a frame's latency is its own),
-   rotating through the algorithms so that drift on the machine hits all of them alike;
+   in a fresh order every round (`round_order`) so that drift on the machine hits all of them alike;
 2. throughput: for each algorithm a run of its own with frames pipelined (``--depth``, at least 2; for
    round-robin one frame per server in flight), giving sustained frames per second.
 Every output of every frame is checked against ONNX Runtime on the whole, unpartitioned model with the
@@ -28,7 +28,7 @@ import onnxruntime as ort
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
-from deepco_device.staged import SETTLE_SECONDS, rotation
+from deepco_device.staged import SETTLE_SECONDS, round_order
 from tqdm import tqdm
 
 from deepco import modelcard
@@ -153,7 +153,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 check(a, runners[a].frame(px)[0])
         latencies: dict[str, list[float]] = {a: [] for a in algorithms}
         for k in tqdm(range(args.frames), desc="latency (algorithms interleaved)", file=sys.stderr):
-            for a in rotation(algorithms, k):
+            for a in round_order(algorithms, k):
                 time.sleep(SETTLE_SECONDS)
                 output, latency = runners[a].frame(px)
                 check(a, output)

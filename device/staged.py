@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import random
 import threading
 import time
 import uuid
@@ -89,12 +90,16 @@ def _plan_key(plan: StagedPlan) -> str:
     return json.dumps(plan.to_dict() | {"predicted": 0, "breakdown": {}, "algorithm": ""}, sort_keys=True)
 
 
-def rotation(items: list[T], k: int) -> list[T]:
-    """``items`` starting at position ``k`` (mod its length): the order of the ``k``-th round when plans are
-    timed side by side. A frame's time depends on what ran just before it (a CPU quota the previous frame
-    drained, caches): identical plans measured ~10% apart at fixed spots, so the order rotates every round."""
-    k %= len(items)
-    return items[k:] + items[:k]
+def round_order(items: list[T], k: int) -> list[T]:
+    """The order of the ``k``-th round when plans are timed side by side: a permutation of ``items`` drawn
+    afresh for every round (seeded by ``k``, so runs repeat). A frame's time depends on what ran just before
+    it (a CPU quota the previous frame drained, caches). A fixed order biases the plans that follow a heavy
+    one, and so does a rotation, which keeps every item's predecessor (in the benchmark, offload always ran
+    after local and auto after round-robin, and auto measured 3-6% slower than offload running the very
+    same plan); a fresh permutation gives every item every predecessor alike."""
+    order = list(items)
+    random.Random(k).shuffle(order)
+    return order
 
 
 class StagedPlanner:
@@ -207,10 +212,10 @@ class StagedPlanner:
         finalists = [k for k, t in timed.items() if t.mean <= fastest * (1 + RUNOFF_WITHIN)]
         if len(finalists) > 1:
             # Two frames each cannot tell plans 10% apart on a quota'd CPU: the close ones run again, side by
-            # side as the benchmark runs them (interleaved, rotating, each frame on refilled quotas).
+            # side as the benchmark runs them (interleaved in a fresh order every round, on refilled quotas).
             runoff = {k: Timed(timed[k].plan, []) for k in finalists}
             for i in range(runoff_frames):
-                for k in rotation(finalists, i):
+                for k in round_order(finalists, i):
                     time.sleep(SETTLE_SECONDS)
                     runoff[k].seconds.append(runners[k].run_frame(px)[1]["latency"])
             for k, t in runoff.items():

@@ -76,3 +76,20 @@ def test_a_prediction_that_holds_needs_no_reason_and_one_that_does_not_gets_one(
     # frames 0.5x-2.5x the prediction: the mean itself is uncertain, and the reason says so
     noisy = fidelity(Timed(offload, [0.5 * predicted, 2.5 * predicted]), [], costs, r)
     assert not noisy["within"] and "varied by 67%" in noisy["why"]
+
+
+def test_round_order_gives_every_plan_every_predecessor():
+    """Plans timed side by side: a rotation kept offload always right after local; a fresh permutation per
+    round must let every plan follow every other one, about equally often."""
+    from collections import Counter
+
+    from deepco_device.staged import round_order
+
+    items = ["local", "offload", "round-robin", "auto", "thread"]
+    sequence = [a for k in range(200) for a in round_order(items, k)]
+    assert all(sorted(round_order(items, k)) == sorted(items) for k in range(20))
+    follows = Counter(zip(sequence, sequence[1:], strict=False))
+    pairs = [(a, b) for a in items for b in items if a != b]
+    # 999 adjacent pairs; a uniform design gives each of the 20 ordered pairs of distinct plans ~40
+    assert min(follows[p] for p in pairs) >= 25, follows
+    assert max(follows[p] for p in pairs) <= 60, follows
