@@ -73,6 +73,9 @@ def test_a_prediction_that_holds_needs_no_reason_and_one_that_does_not_gets_one(
     off = Timed(offload, [1.5 * predicted] * 4)
     steady = fidelity(off, [off, Timed(local, [costs.total_flops / 1e9])], costs, r)
     assert not steady["within"] and "1.50 for" in steady["why"] and "1.00 for" in steady["why"]
+    # every timed plan 1.5x slower than predicted and too few plans to fit a scale: a common factor, said so
+    common = fidelity(off, [off, Timed(local, [1.5 * costs.total_flops / 1e9])], costs, r)
+    assert not common["within"] and "the same way" in common["why"] and "these were 2" in common["why"]
     # frames 0.5x-2.5x the prediction: the mean itself is uncertain, and the reason says so
     noisy = fidelity(Timed(offload, [0.5 * predicted, 2.5 * predicted]), [], costs, r)
     assert not noisy["within"] and "varied by 67%" in noisy["why"]

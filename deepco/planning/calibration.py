@@ -61,13 +61,18 @@ def _error(timed: Sequence[Timed], costs: CostModel, rates: Rates, scale: float)
     return err, overhead
 
 
+def scale_fittable(timed: Sequence[Timed]) -> bool:
+    """Whether `fit` can fit the compute scale: at least three timed plans, of at least two step counts."""
+    return len(timed) >= 3 and len({steps(t.plan) for t in timed}) >= 2
+
+
 def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, float]:
     """``(compute_scale, step_overhead)`` that best explain the timed plans. The scale needs plans with at least
     two different numbers of steps besides (otherwise it and the overhead cannot be told apart): with fewer,
     only the overhead is fitted and the scale stays 1."""
     if not timed:
         return 1.0, rates.step_overhead
-    if len({steps(t.plan) for t in timed}) < 2 or len(timed) < 3:
+    if not scale_fittable(timed):
         return 1.0, _error(timed, costs, rates, 1.0)[1]
     best = minimize_scalar(lambda s: _error(timed, costs, rates, s)[0], bounds=SCALE_BOUNDS, method="bounded",
                            options={"xatol": 1e-3})
@@ -114,6 +119,15 @@ def fidelity(chosen: Timed, timed: Sequence[Timed], costs: CostModel, rates: Rat
     others = sorted(((t.mean / predict(t.plan, costs, rates)["frame"], t.plan.describe()) for t in timed),
                     key=lambda rp: rp[0])
     listed = "; ".join(f"{r:.2f} for {d}" for r, d in others)
+    ratios = [r for r, _ in others] or [ratio]
+    if all(r < FIDELITY[0] for r in ratios) or all(r > FIDELITY[1] for r in ratios):
+        cannot = ("a compute scale is fitted from three timed plans of two step counts on, and these were "
+                  f"{len(timed)}" if not scale_fittable(timed) else
+                  "the compute scale is bounded to 0.25-4 and the step overhead to >= 0")
+        report["why"] = (f"every timed plan measured off its prediction the same way ({listed}): a common factor "
+                         f"the fit could not take out ({cannot}). The plan was chosen on measured time, not on "
+                         "this prediction")
+        return report
     report["why"] = (f"the cost model's two fitted terms (the servers' FLOP rate on this model, the fixed cost of "
                      f"a step) cannot fit every timed plan at once: measured / predicted was {listed}. The "
                      "plan was chosen on measured time, not on this prediction")
