@@ -102,3 +102,22 @@ def test_same_plan_ignores_the_name_and_the_prediction_only(costs):
     assert same_plan(auto.to_dict(), offload.to_dict())
     assert not same_plan(offload_plan(costs, r, "s1").to_dict(), offload.to_dict())
     assert not same_plan(local_plan(costs, r).to_dict(), offload.to_dict())
+
+
+def test_throughput_counts_every_step_a_server_takes(costs):
+    """Pipelining hides transfers, not a server's own per-step work: a plan of many stages pays the step
+    overhead on every server for every stage (by hand: FLOPs at the server's rate + steps x overhead)."""
+    fast_links = dict(bw=1e12)
+    r = rates(step_overhead=0.05, **fast_links)
+    # round-robin over s0 (4 GFLOP/s) and s1 (2 GFLOP/s): s1 sets the pace, one step per frame it takes
+    assert round_robin_fps(costs, r, ["s0", "s1"]) == pytest.approx(2 / (costs.total_flops / 2e9 + 0.05))
+    offload = offload_plan(costs, r, "s0")
+    assert throughput(offload, costs, r) == pytest.approx(1 / (costs.total_flops / 4e9 + 0.05), rel=1e-6)
+    levels = ["layer1", "layer2", "layer3"]
+    many, one = (split_plan(costs, r, ["s0", "s1"], lv, True, "s0") for lv in (levels, levels[-1:]))
+    without = rates(**fast_links)
+    split_without = split_plan(costs, without, ["s0", "s1"], levels, True, "s0")
+    # with no overhead the three-stage plan's fps is the FLOPs' alone; with it, every server pays 3 or 4 steps
+    assert throughput(many, costs, r) < throughput(split_without, costs, without)
+    assert 1 / throughput(many, costs, r) >= 4 * 0.05  # s0 takes 3 stages and the tail
+    assert throughput(many, costs, r) < throughput(one, costs, r)
