@@ -95,8 +95,9 @@ def test_a_server_that_comes_back_rejoins_the_plan(tmp_path, model):
                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert "listening" in flaky.stdout.readline()
         cluster = tmp_path / "cluster.toml"
-        # paced at 40 Mbit/s (EMULATED), so that the run outlasts the restart
-        cluster.write_text("[device]\nantennas = 1\nbandwidth = 40.0\n"
+        # paced at 10 Mbit/s (EMULATED), so that the run outlasts the restart: at 40 Mbit/s CI once finished
+        # the 140 frames after the kill (2.8 s) before the new server process was up
+        cluster.write_text("[device]\nantennas = 1\nbandwidth = 10.0\n"
                            f'[[servers]]\nname = "steady"\ncapacity = 1.0\naddress = "{steady.address}"\n'
                            f'[[servers]]\nname = "flaky"\ncapacity = 1.0\naddress = "127.0.0.1:{port}"\n')
         log = tmp_path / "log.jsonl"
