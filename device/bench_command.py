@@ -406,11 +406,12 @@ def run(args: argparse.Namespace) -> int:
                 run_point = one_point(args, servers, antennas, bandwidth, scale, Path(tmp))
                 run_point["capacity_scale"] = scale
                 runs.append(run_point)
+                if args.json:  # after every repeat: an interrupted run keeps what it measured ("repeats" says)
+                    partial = _document(args, [*points, aggregate(runs)], started)
+                    Path(args.json).write_text(json.dumps(partial, indent=2))
             point = aggregate(runs)
             points.append(point)
             print(table(point), flush=True)
-            if args.json:  # after every point: an interrupted sweep keeps what it measured
-                Path(args.json).write_text(json.dumps(_document(args, points, started), indent=2))
     document = _document(args, points, started)
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=2))

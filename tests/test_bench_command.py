@@ -1,0 +1,33 @@
+"""`deepco bench`'s bookkeeping around the measured points (the measurements themselves: test_testbed_e2e)."""
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from deepco_device import bench_command
+
+RECORDED = Path(__file__).resolve().parents[1] / "bench" / "results" / "bench" / "sweep-servers-camera-224.json"
+
+
+def test_an_interrupted_run_keeps_the_repeats_it_finished(tmp_path, monkeypatch):
+    """A ResNet-50 point takes 18 minutes a repeat: stopping the third must not lose the first two."""
+    runs = json.loads(RECORDED.read_text())["points"][0]["runs"]
+    measured = iter(runs[:2])
+
+    def one_point(*_args):
+        try:
+            return copy.deepcopy(next(measured))
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(bench_command, "one_point", one_point)
+    parser = argparse.ArgumentParser()
+    bench_command.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(["--preset", "camera", "--input-size", "224x224", "--repeat", "3", "--json", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        bench_command.run(args)
+    [point] = json.loads(out.read_text())["points"]
+    assert point["repeats"] == 2 and len(point["runs"]) == 2
+    assert point["algorithms"].keys() == runs[0]["algorithms"].keys()
