@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 from deepco_device import pipeline
 from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
-from deepco_device.backpressure import BUSY_BACKOFF, BUSY_BACKOFF_MAX
+from deepco_device.backpressure import while_busy
 from deepco_device.giveup import GiveUp
 from deepco_device.health import DriftWatch, Health
 from deepco_device.measuring import device_session as _session
@@ -325,20 +325,12 @@ class StagedRunner:
         """One frame (1xCxHxW uint8 pixels): (the model's output, timing in seconds). Raises ServerError
         naming the server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other
         frames' jobs hold its threads) is waited for with backoff, up to the runner's timeout."""
-        give_up = time.perf_counter() + self.timeout
-        pause = BUSY_BACKOFF
-        while True:
-            try:
-                return self._run_frame(x)
-            except ServerError as exc:
-                if self._inflight.stopped.is_set():
-                    raise RunStopped("the run stopped") from None
-                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.perf_counter() + pause > give_up \
-                        or isinstance(exc, WrongAnswer):
-                    raise
-            if self._inflight.stopped.wait(pause):
-                raise RunStopped("the run stopped")
-            pause = min(2 * pause, BUSY_BACKOFF_MAX)
+        try:
+            return while_busy(lambda: self._run_frame(x), self.timeout, stop=self._inflight.stopped)
+        except ServerError:
+            if self._inflight.stopped.is_set():
+                raise RunStopped("the run stopped") from None
+            raise
 
     def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         if self.plan.kind == "round-robin":

@@ -5,15 +5,16 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import pytest
+from deepco_device.backpressure import while_busy
 from deepco_device.lifecycle import Uploads
 from deepco_device.measuring import median_seconds
-from test_server_support import conv_model, serve_process
+from test_server_support import conv_model, serve_process, stalled_upload
 
-from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.client import InferenceClient, ServerError, WrongAnswer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
@@ -33,24 +34,14 @@ def test_setup_waits_for_a_busy_server_and_times_only_the_call_that_got_through(
     and the probe's time must not include the wait."""
     release = threading.Event()
 
-    def held_body() -> Iterator[bytes]:
-        release.wait(30)
-        return
-        yield b""
-
     with serve_process("--device", "cpu", "--threads", "1", "--max-inflight", "1") as server:
         def hold() -> None:
             # A holder refused while an Echo of the polling loop held a slot tries again, or the three
             # slots might never all be held (CI saw it).
             with grpc.insecure_channel(server.address) as channel:
-                upload = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
                 while not release.is_set():
-                    try:
-                        upload(held_body(), timeout=30)
+                    if stalled_upload(channel, release, timeout=30) != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         return
-                    except grpc.RpcError as exc:
-                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            return
                     time.sleep(0.02)
 
         holders = [threading.Thread(target=hold, daemon=True) for _ in range(3)]
@@ -77,3 +68,29 @@ def test_setup_waits_for_a_busy_server_and_times_only_the_call_that_got_through(
         for t in holders:
             t.join(timeout=30)
 
+
+
+def test_a_wait_for_a_busy_server_ends_when_the_run_stops_and_never_retries_a_wrong_answer():
+    """The frame path's wait (`while_busy` with the run's stop event): a refusal is retried until the run
+    stops, then raised at once, not after the patience; a wrong answer is never asked again."""
+    calls = []
+
+    def refused():
+        calls.append(time.monotonic())
+        raise ServerError("s:1", grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy")
+
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="RESOURCE_EXHAUSTED"):
+        while_busy(refused, patience=30.0, stop=stop)
+    assert 0.3 <= time.monotonic() - started < 2.0 and len(calls) >= 3
+
+    def lied():
+        calls.append(time.monotonic())
+        raise WrongAnswer("s:1", "rows 0-4 instead of 0-8")
+
+    calls.clear()
+    with pytest.raises(WrongAnswer):
+        while_busy(lied, patience=30.0)
+    assert len(calls) == 1

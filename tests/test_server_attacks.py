@@ -26,7 +26,7 @@ from deepco_server.app import ServeConfig, Server
 from deepco_server.security import ServerSecurity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
-from test_server_support import ROOT, conv_model, reference, serve_process
+from test_server_support import ROOT, conv_model, reference, serve_process, stalled_upload
 from tls_support import Certs, make_certs
 
 from deepco.wire import deepco_service_pb2 as dpb
@@ -414,20 +414,10 @@ def test_a_flood_of_requests_is_refused_unread_and_readiness_keeps_answering() -
                     except grpc.RpcError as exc:
                         codes[exc.code().name] += 1
 
-        def never_sends() -> Iterator[bytes]:
-            stop.wait(30)
-            return
-            yield b""
-
         def stall() -> None:
             with grpc.insecure_channel(server.address) as channel:
-                upload = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
                 while not stop.is_set():
-                    try:
-                        upload(never_sends(), timeout=5)
-                        stalled["OK"] += 1
-                    except grpc.RpcError as exc:
-                        stalled[exc.code().name] += 1
+                    stalled[stalled_upload(channel, stop, timeout=5).name] += 1
 
         def probe(channel: grpc.Channel) -> None:
             ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
@@ -89,6 +90,21 @@ def _pump(stream, sink: queue.Queue | list) -> None:
             sink.append(line)
         else:
             sink.put(line)
+
+
+def stalled_upload(channel: grpc.Channel, until: threading.Event, timeout: float) -> grpc.StatusCode:
+    """One ModelInfer upload whose body does not come until ``until`` is set: it holds one of the server's
+    work slots meanwhile. Returns how the call ended (OK, or the server's or the deadline's code)."""
+    def never_sends() -> Iterator[bytes]:
+        until.wait(timeout)
+        return
+        yield b""
+
+    try:
+        channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")(never_sends(), timeout=timeout)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
 
 
 def child_env() -> dict[str, str]:
