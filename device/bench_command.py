@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from datetime import UTC, datetime
@@ -28,6 +29,7 @@ from deepco import modelcard
 from deepco.errors import UserError
 from deepco.planning.calibration import FIDELITY
 from deepco.planning.staged import same_plan
+from deepco.plots import save_figure
 from deepco.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 
 DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the heterogeneous servers, fractions of one core
@@ -360,10 +362,11 @@ def plot(document: dict, path: str) -> None:
     ax.set_title(f"{points[0]['model']} {points[0]['input_size']}: measured on an EMULATED edge network")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.text(0.01, 0.01, points[0]["label"][:160], fontsize=6)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    first = "the sweep's first point: " if document.get("sweep") else ""
+    footer = textwrap.fill(first + points[0]["label"], 200)  # the whole label: it says what was EMULATED
+    fig.text(0.01, 0.01, footer, fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.015 + 0.022 * (footer.count("\n") + 1), 1, 1))
+    save_figure(fig, path, dpi=110)
 
 
 def _document(args: argparse.Namespace, points: list[dict], started: float) -> dict:

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from deepco_device import bench_command
 
+from deepco.errors import UserError
+
 RECORDED = Path(__file__).resolve().parents[1] / "bench" / "results" / "bench" / "sweep-servers-camera-224.json"
 
 
@@ -31,3 +33,11 @@ def test_an_interrupted_run_keeps_the_repeats_it_finished(tmp_path, monkeypatch)
     [point] = json.loads(out.read_text())["points"]
     assert point["repeats"] == 2 and len(point["runs"]) == 2
     assert point["algorithms"].keys() == runs[0]["algorithms"].keys()
+
+
+def test_a_plot_that_cannot_be_written_is_a_one_line_error(tmp_path):
+    document = json.loads(RECORDED.read_text())
+    bench_command.plot(document, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(UserError, match="cannot write the plot"):
+        bench_command.plot(document, str(tmp_path / "no-such-folder" / "sweep.png"))
