@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             (tmp / "spec.json").write_text(json.dumps(spec))
             device = subprocess.run([sys.executable, "-m", "deepco_device.demo", "--worker", str(tmp / "spec.json")])
             if device.returncode != 0:
-                raise UserError(f"demo: the device process failed (exit {device.returncode}; see above)")
+                raise UserError(f"the device process failed (exit {device.returncode}; see the line above)")
         print("demo: servers stopped" + ("; camera cgroup removed" if cgroup else ""), flush=True)
         results = json.loads(Path(spec["results"]).read_text())
         data = dict(np.load(spec["outputs"]))
@@ -354,8 +354,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def worker_main(spec_path: str) -> int:
+    """The device process's entry point: a UserError (a server's refusal included) is one line and exit 2, so
+    the demo never ends in a traceback."""
+    try:
+        return worker(spec_path)
+    except UserError as exc:
+        print(f"device: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(worker(sys.argv[2]))
+        sys.exit(worker_main(sys.argv[2]))
     print("usage: python -m device.demo --worker SPEC.json (the demo's device process)", file=sys.stderr)
     sys.exit(2)
