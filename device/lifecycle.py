@@ -14,57 +14,126 @@ import grpc
 from deepco_device.backpressure import while_busy
 
 from deepco.errors import UserError
-from deepco.wire.client import InferenceClient, content_name
+from deepco.wire.client import InferenceClient, ServerError, content_name
 
 UNLOAD_TIMEOUT = 5.0  # per model on close: a frozen server must not hold up the device's exit
 
 
+class NoRoom(UserError):
+    """A server refused a model because its model slots (``--max-models``) or bytes (``--max-model-bytes``) are
+    taken: the plan that needs it does not fit there now. Not back-pressure, so never waited for."""
+
+    def __init__(self, address: str, problem: str):
+        super().__init__(f"server {address}: no room: {problem}")
+        self.address = address
+
+
+def no_room(client: InferenceClient, size: int) -> str | None:
+    """Why ``client``'s server cannot take a model of ``size`` bytes now (its slots or bytes are full, as far as
+    this client can see: under mutual TLS other identities' models are not listed), or None."""
+    meta = client.server_metadata()
+    index = client.model_index()
+    slots, limit = meta.get("deepco_max_models"), meta.get("deepco_max_model_bytes")
+    if slots is not None and len(index) >= int(slots):
+        return f"{len(index)} models are loaded and its limit (--max-models) is {slots}"
+    if limit is not None:
+        held = sum(int(m.reason.split("bytes=", 1)[1].split()[0]) for m in index if "bytes=" in m.reason)
+        if held + size > int(limit):
+            return f"its models hold {held} bytes, this one needs {size} and its limit (--max-model-bytes) is {limit}"
+    return None
+
+
+def load_with_room(client: InferenceClient, model_bytes: bytes, name: str) -> None:
+    """Load ``model_bytes`` as ``name`` on ``client``'s server, waiting for a busy server (back-pressure) but
+    raising `NoRoom` at once when its model slots or bytes are full."""
+
+    def load() -> None:
+        try:
+            client.load_model(model_bytes, name)
+        except ServerError as exc:
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            why = no_room(client, len(model_bytes))
+            if why is not None:
+                raise NoRoom(client.address, f"cannot load {name}: {why}") from None
+            raise  # back-pressure: while_busy waits and asks again
+
+    while_busy(load)
+
+
 class Uploads:
-    """Models this device loaded on servers, to unload on :meth:`release`."""
+    """Models this device loaded on servers, with how many runners use each; unloaded when the last user drops
+    them (`drop`) or on :meth:`release`."""
 
     def __init__(self) -> None:
-        self._held: list[tuple[InferenceClient, str]] = []
+        self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (address, name) -> (client, users)
         self._lock = threading.Lock()
 
     def upload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
         """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name.
-        A model this device already holds there is not loaded again (a replan then costs no call to a server
-        that may be frozen); after `forget` it is."""
+        Each call is one more user of the model (`drop` gives it back). A model this device already holds
+        there is not loaded again (a replan then costs no call to a server that may be frozen); after `forget`
+        it is. A server without room for it raises `NoRoom` at once; a busy one is waited for."""
         name = content_name(base, model_bytes)
+        key = (client.address, name)
         with self._lock:
-            if any(c.address == client.address and n == name for c, n in self._held):
+            if key in self._held:
+                self._held[key] = (client, self._held[key][1] + 1)
                 return name
-        while_busy(lambda: client.load_model(model_bytes, name))
+
+        load_with_room(client, model_bytes, name)
         with self._lock:
-            self._held.append((client, name))
+            users = self._held.get(key, (client, 0))[1]
+            self._held[key] = (client, users + 1)
         return name
+
+    def drop(self, held: list[tuple[str, str]]) -> list[str]:
+        """One user fewer of each (address, name) in ``held`` (a runner's `upload` results); unload the models
+        nobody uses any more. Returns one line per model that could not be unloaded."""
+        unused = []
+        with self._lock:
+            for key in held:
+                if key not in self._held:
+                    continue
+                client, users = self._held[key]
+                if users > 1:
+                    self._held[key] = (client, users - 1)
+                else:
+                    del self._held[key]
+                    unused.append((client, key[1]))
+        return _unload(unused, set())
 
     def forget(self, address: str) -> None:
         """The server at ``address`` lost its models (it restarted): upload them again when asked, and do not
         unload them on release."""
         with self._lock:
-            self._held = [(c, n) for c, n in self._held if c.address != address]
+            self._held = {k: v for k, v in self._held.items() if k[0] != address}
 
     def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references
         stay; returns one line per model that could not be unloaded (its server's lease will). Servers at the
         addresses in ``skip`` (known down), and a server once it did not answer, are not asked."""
         with self._lock:
-            held = [(c, n) for c, n in self._held if names is None or n in names]
-            self._held = [(c, n) for c, n in self._held if names is not None and n not in names]
-        problems = []
-        silent = set(skip)  # not asked (again): a frozen server would cost a timeout per model
-        for client, name in reversed(held):
-            if client.address in silent:
-                problems.append(f"did not unload {name} from {client.address}: the server is down")
-                continue
-            try:
-                client.unload_model(name, timeout=UNLOAD_TIMEOUT)
-            except (UserError, ValueError) as exc:  # gone, refused, or its channel closed: its lease will do
-                problems.append(f"could not unload {name} from {client.address}: {exc}")
-                if getattr(exc, "code", None) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                    silent.add(client.address)
-        return problems
+            held = [(c, k[1]) for k, (c, _) in self._held.items() if names is None or k[1] in names]
+            self._held = {k: v for k, v in self._held.items() if names is not None and k[1] not in names}
+        return _unload(list(reversed(held)), set(skip))
+
+
+def _unload(held: list[tuple[InferenceClient, str]], silent: set[str]) -> list[str]:
+    """Unload each (client, name), skipping servers at the addresses in ``silent`` and any that stops answering
+    (a frozen server would cost a timeout per model); one line per model not unloaded."""
+    problems = []
+    for client, name in held:
+        if client.address in silent:
+            problems.append(f"did not unload {name} from {client.address}: the server is down")
+            continue
+        try:
+            client.unload_model(name, timeout=UNLOAD_TIMEOUT)
+        except (UserError, ValueError) as exc:  # gone, refused, or its channel closed: its lease will do
+            problems.append(f"could not unload {name} from {client.address}: {exc}")
+            if getattr(exc, "code", None) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                silent.add(client.address)
+    return problems
 
 
 def check_capacity(client: InferenceClient, needed: int) -> None:

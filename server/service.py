@@ -118,9 +118,11 @@ class ServerState:
     def extensions(self) -> list[str]:
         """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
         runtime = self.registry.runtime
+        registry = self.registry
         return [*EXTENSIONS, "deepco_profile", f"deepco_device={runtime.device}",
                 f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
-                f"deepco_max_models={self.registry.max_models}", f"deepco_max_inflight={self.admission.limit}"]
+                f"deepco_max_models={registry.max_models}", f"deepco_max_model_bytes={registry.max_model_bytes}",
+                f"deepco_max_inflight={self.admission.limit}"]
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):

@@ -115,8 +115,17 @@ def test_a_killed_devices_models_go_when_the_lease_ends(servers, setup) -> None:
     assert time.monotonic() - killed >= LEASE - 1.0
 
 
-def test_models_command_lists_and_clears(servers, setup) -> None:
-    cluster = setup[0]
+def test_models_command_lists_and_clears(tmp_path) -> None:
+    # servers of its own, without the short lease: between two commands a loaded model must not expire
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(serve_process("--threads", "1")) for _ in range(2)]
+        cluster = tmp_path / "cluster.toml"
+        cluster.write_text("[device]\nantennas = 1\nbandwidth = 100.0\n" + "".join(
+            f'[[servers]]\nname = "s{i}"\ncapacity = 1.0\naddress = "{s.address}"\n' for i, s in enumerate(servers)))
+        _models_command_lists_and_clears(servers, cluster)
+
+
+def _models_command_lists_and_clears(servers, cluster) -> None:
     for s in servers:
         with InferenceClient(s.address) as c:
             c.load_model(conv_model(), "a")

@@ -215,6 +215,18 @@ def steps(plan: StagedPlan) -> int:
     return len(plan.levels) + (1 if plan.tail else 0)
 
 
+def models_per_server(plan: StagedPlan) -> dict[str, int]:
+    """Model slots ``plan`` takes on each server (`deepco serve --max-models`): the whole model for offload and
+    each round-robin server, one model per stage on every server of a split, and one more where a server runs
+    the tail."""
+    if plan.kind in ("offload", "round-robin"):
+        return dict.fromkeys(plan.servers, 1)
+    slots = {s: len(plan.levels) for s in plan.servers if s != DEVICE}
+    if plan.tail is not None:
+        slots[plan.tail] += 1
+    return slots
+
+
 def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     """Predicted timeline of one frame (seconds): ``frame`` and its parts."""
     out_bytes = costs.output_bytes
