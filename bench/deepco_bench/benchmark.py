@@ -9,7 +9,7 @@ measurements for every algorithm), then
 Every output of every frame is checked against ONNX Runtime on the whole, unpartitioned model with the
 same preprocessing. Writes one JSON document with the physical bound of the point (see `bound`).
 
-    python -m device.benchmark --cluster C --model resnet18 --input-size 224x224 \\
+    python -m deepco_bench.benchmark --cluster C --model resnet18 --input-size 224x224 \\
         --algorithms local,offload,round-robin,auto,thread,modnn-sa --frames 8 --out results.json
 """
 
