@@ -25,6 +25,7 @@ from pathlib import Path
 
 from deepco import modelcard
 from deepco.errors import UserError
+from deepco.parsing import parse_size
 from deepco.planning.calibration import FIDELITY
 from deepco.planning.staged import same_plan
 from deepco.plots import save_figure
@@ -388,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
     if args.depth < 2 and args.fps_frames > 0:
         raise UserError("--depth must be at least 2: the throughput run pipelines frames")
     modelcard.from_args(args.model, args)  # a bad preprocessing flag or card fails before any testbed is built
+    parse_size(args.input_size)  # and so does a bad size, which the device process would only refuse later
     started = time.perf_counter()
     values: list = [None] if args.sweep is None else SWEEPS[args.sweep]
     points = []

@@ -290,10 +290,10 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
 def run(args: argparse.Namespace) -> int:
     """Camera cgroup, servers, clip and model up; the device runs every plan; compare, draw, clean up."""
     from deepco_device.preprocess import preprocessing_for
-    from deepco_device.run_command import parse_size
     from deepco_device.sources import make_pan_zoom_clip
 
     from deepco import zoo
+    from deepco.parsing import parse_size
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
