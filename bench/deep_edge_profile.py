@@ -4,7 +4,7 @@ latency a co-located `deepco serve` running a resnet18 head shows with and witho
 
     sudo .venv/bin/python bench/deep_edge_profile.py [--out deepco/scheduling/data/deep_edge_profile.json]
 
-Each CPU quota is one EMULATED server: a network namespace with a cgroup CPU quota (deepco.testbed), in which
+Each CPU quota is one EMULATED server: a network namespace with a cgroup CPU quota (deepco_bench.testbed), in which
 `deepco serve --threads 1` serves the head, the background load (a duty-cycle spinner) and the trainer run;
 the inference client runs in the device namespace. Writes the raw measurements with machine and date; the
 fitted models are in ``deepco.scheduling.deep_edge_models`` (which load this file).
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deepco.testbed import ServerSpec, Testbed, TestbedSpec  # noqa: E402
+from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec  # noqa: E402
 
 PROBE = str(ROOT / "bench" / "deep_edge_probe.py")
 QUOTAS = (0.4, 0.7, 1.0)
@@ -120,7 +120,7 @@ def main() -> None:
         export_head(work / "head.onnx")
         for quota in QUOTAS:
             one_quota(quota, work, a.infer_seconds, rows)
-    doc = {"what": "EMULATED edge server (network namespace + cgroup CPU quota, deepco.testbed): resnet18 "
+    doc = {"what": "EMULATED edge server (network namespace + cgroup CPU quota, deepco_bench.testbed): resnet18 "
                    f"training steps (torch, 1 thread, {64}x{64} inputs) beside `deepco serve --threads 1` "
                    f"running the resnet18 head up to {HEAD_CUT} on {HEAD_SIZE}x{HEAD_SIZE} frames",
            "command": "sudo .venv/bin/python bench/deep_edge_profile.py",

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-from deepco_device.demo import grace_hopper, local_servers, write_cluster
+from deepco_bench.demo import grace_hopper, local_servers, write_cluster
 from deepco_device.sources import make_pan_zoom_clip
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from deepco_device.bench_command import twins, unpredicted
+from deepco_bench.bench_command import twins, unpredicted
 
 
 def ms(seconds: float | None) -> str:

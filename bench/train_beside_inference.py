@@ -1,4 +1,4 @@
-"""Training beside live partitioned inference, measured on the EMULATED testbed (deepco.testbed: servers in
+"""Training beside live partitioned inference, measured on the EMULATED testbed (deepco_bench.testbed: servers in
 network namespaces with cgroup CPU quotas, the antenna shaped with tc).
 
     sudo .venv/bin/python bench/train_beside_inference.py [--frames 40] [--slack 0.25] [--out F.json]
@@ -36,9 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec  # noqa: E402
+
 from deepco.scheduling.deep_edge import EdgeWorker, fair_plan, schedule_update  # noqa: E402
 from deepco.scheduling.deep_edge_models import load_models  # noqa: E402
-from deepco.testbed import ServerSpec, Testbed, TestbedSpec  # noqa: E402
 
 PROBE = str(ROOT / "bench" / "deep_edge_probe.py")
 SHARES = {"s0": 0.6, "s1": 0.5, "s2": 0.4}

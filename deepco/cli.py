@@ -1,7 +1,8 @@
 """The `deepco` command line: a thin shell that dispatches each subcommand to its module.
 
 Library commands live in deepco/commands/; the server's and the device's own commands live in those
-packages (server/, device/), so that the core library itself never imports them.
+packages (server/, device/), and `bench` and `demo` in the orchestration (deepco_bench), so that the core
+library itself never imports them.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ COMMANDS = {
               "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
     "run": ("deepco_device.run_command",
             "the device: stream a camera/video/images through the servers with a THREAD plan"),
-    "bench": ("deepco_device.bench_command",
+    "bench": ("deepco_bench.bench_command",
               "measured latency of THREAD vs MoDNN and baselines on an emulated edge network (tc, cgroups)"),
-    "demo": ("deepco_device.demo",
+    "demo": ("deepco_bench.demo",
              "three local servers, a real photo as a clip, EfficientNet-Lite0, live per-frame results"),
 }
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deepco.errors import UserError
+from deepco.parsing import is_address
 
 SITE_KINDS = ("edge", "cloud")
 # What a missing key means, and its unit: appended to "missing" errors. Capacities and bandwidths are in
@@ -286,8 +287,7 @@ def _parse_address(t: _Table) -> str | None:
     address = t.string("address", required=False)
     if address is None:
         return None
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not is_address(address):
         raise t.fail("address", f"must be host:port with a port in 1..65535, got {address!r}")
     return address
 

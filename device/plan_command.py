@@ -12,12 +12,12 @@ import json
 import sys
 from dataclasses import asdict
 
-from deepco_device.run_command import parse_size
 from deepco_device.session import ALGORITHMS, Device
 
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
+from deepco.parsing import parse_size
 from deepco.wire import security
 
 

@@ -14,18 +14,8 @@ from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
+from deepco.parsing import parse_size
 from deepco.wire import security
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """'HxW' -> (H, W)."""
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise UserError(f"--input-size must look like 224x224 (HxW), got {text!r}") from None
-    if h <= 0 or w <= 0:
-        raise UserError(f"--input-size must be positive, got {text!r}")
-    return h, w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from deepco.parsing import split_address
+
 
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer within bounds."""
@@ -35,9 +37,10 @@ def _seconds(text: str) -> float:
 def _addresses(text: str) -> tuple[str, ...]:
     items = tuple(a.strip() for a in text.split(",") if a.strip())
     for item in items:
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"expected host:port, got {item!r}")
+        try:
+            split_address(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return items
 
 

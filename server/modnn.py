@@ -33,6 +33,7 @@ import numpy as np
 from deepco_server.models import Registry, RequestError, invalid
 from deepco_server.security import is_loopback
 
+from deepco.parsing import split_address
 from deepco.planning.modnn import NOT_A_SERVER, check_tables, receives, sends
 from deepco.planning.plan import PlanningError
 from deepco.wire import deepco_service_pb2 as dpb
@@ -252,8 +253,11 @@ def peer_allowed(address: str, allowed: frozenset[str]) -> bool:
     --peers`), or its host is a loopback address (servers sharing this machine)."""
     if address in allowed:
         return True
-    host, sep, port = address.rpartition(":")
-    return bool(sep) and port.isdigit() and is_loopback(host)
+    try:
+        host, _ = split_address(address)
+    except ValueError:
+        return False
+    return is_loopback(host)
 
 
 def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = "",

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from deepco_device import bench_command
+from deepco_bench import bench_command
 
 from deepco.errors import UserError
 

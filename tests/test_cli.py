@@ -38,7 +38,7 @@ def test_a_closed_stdout_ends_quietly_without_a_traceback() -> None:
 def test_every_bench_flag_says_what_it_does_and_its_default() -> None:
     import argparse
 
-    from deepco_device import bench_command
+    from deepco_bench import bench_command
 
     parser = argparse.ArgumentParser()
     bench_command.add_arguments(parser)

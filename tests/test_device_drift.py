@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, kernel_emulation_available
 from deepco_device.sources import make_pan_zoom_clip
 from test_server_support import ROOT
-
-from deepco.testbed import ServerSpec, Testbed, TestbedSpec, kernel_emulation_available
 
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 

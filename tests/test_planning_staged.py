@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from deepco_device.benchmark import bound
+from deepco_bench.benchmark import bound
 
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input

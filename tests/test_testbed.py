@@ -8,9 +8,9 @@ import textwrap
 import time
 
 import pytest
+from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, kernel_emulation_available, leftovers
 
 from deepco.errors import UserError
-from deepco.testbed import ServerSpec, Testbed, TestbedSpec, kernel_emulation_available, leftovers
 
 needs_kernel = pytest.mark.skipif(kernel_emulation_available() is not None,
                                   reason=f"kernel emulation unavailable: {kernel_emulation_available()}")
@@ -95,7 +95,7 @@ def test_cpu_quota_limits_a_server_to_its_share_of_a_core():
 
 OWNER = textwrap.dedent("""
     import sys, time
-    from deepco.testbed import ServerSpec, Testbed, TestbedSpec
+    from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec
     tb = Testbed(TestbedSpec(antenna_mbps=(10.0, 20.0), servers=(ServerSpec("a", cpu=0.5), ServerSpec("b"))))
     tb.__enter__()
     tb.spawn([sys.executable, "-c", "import time; time.sleep(60)"], server=0)

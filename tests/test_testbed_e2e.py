@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from deepco_bench.testbed import kernel_emulation_available
 from test_server_support import ROOT
-
-from deepco.testbed import kernel_emulation_available
 
 
 @pytest.mark.skipif(kernel_emulation_available() is not None,

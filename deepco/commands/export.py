@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import onnx
 
 from deepco.errors import UserError
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """'HxW' -> (H, W), both positive."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
-        raise UserError(f"--input-size must be HxW with positive integers (e.g. 224x224), got {text!r}")
-    return int(m[1]), int(m[2])
+from deepco.parsing import parse_size
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import onnx
 
-from deepco.commands.export import add_model_arguments, parse_size
+from deepco.commands.export import add_model_arguments
 from deepco.errors import UserError
+from deepco.parsing import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
 """`deepco bench`: measured frame latency of each algorithm on an emulated edge network.
 
-Builds the testbed (deepco.testbed: servers in network namespaces, antennas shaped with tc, CPU shares
+Builds the testbed (deepco_bench.testbed: servers in network namespaces, antennas shaped with tc, CPU shares
 enforced with cgroup quotas), starts a real `deepco serve` in every server namespace, and runs the device
-benchmark (device.benchmark) in the device namespace: one device, the algorithms interleaved frame by
+benchmark (deepco_bench.benchmark) in the device namespace: one device, the algorithms interleaved frame by
 frame. Prints a table, writes JSON and a plot; `--sweep` repeats it over bandwidth, capacity, antennas or
 servers like the paper's Figs. 9-12. Every output is labelled with what was emulated and how.
 """
@@ -23,14 +23,14 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from deepco_device.benchmark import GO, LOADED
-
 from deepco import modelcard
 from deepco.errors import UserError
+from deepco.parsing import parse_size
 from deepco.planning.calibration import FIDELITY
 from deepco.planning.staged import same_plan
 from deepco.plots import save_figure
-from deepco.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
+from deepco_bench.benchmark import GO, LOADED
+from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 
 DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the issue's heterogeneous servers, fractions of one core
 PORT = 50051
@@ -190,7 +190,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         cluster = write_cluster(workdir / f"cluster-{servers}-{antennas}-{bandwidth:g}-{scale:g}.toml", tb, ports,
                                 bandwidth)
         out = workdir / "point.json"
-        worker = [sys.executable, "-m", "deepco_device.benchmark", "--cluster", str(cluster), "--model", args.model,
+        worker = [sys.executable, "-m", "deepco_bench.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
                   "--fps-frames", str(args.fps_frames), "--depth", str(args.depth),
                   "--cut", args.cut, "--label", tb.label, "--out", str(out), *modelcard.to_argv(args)]
@@ -389,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
     if args.depth < 2 and args.fps_frames > 0:
         raise UserError("--depth must be at least 2: the throughput run pipelines frames")
     modelcard.from_args(args.model, args)  # a bad preprocessing flag or card fails before any testbed is built
+    parse_size(args.input_size)  # and so does a bad size, which the device process would only refuse later
     started = time.perf_counter()
     values: list = [None] if args.sweep is None else SWEEPS[args.sweep]
     points = []

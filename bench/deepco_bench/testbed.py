@@ -11,7 +11,7 @@ Real kernel mechanisms, outside the engine:
   `cpu.max`), e.g. 0.45 of one core.
 
 Everything made is named with one prefix and removed on close, on SIGINT/SIGTERM, and, if the owning
-process is killed outright, by a reaper process that watches it (`python -m deepco.testbed --reap`).
+process is killed outright, by a reaper process that watches it (`python -m deepco_bench.testbed --reap`).
 Without root or `ip`/`tc`, the testbed falls back to loopback servers with app-level pacing and
 process priorities, and says so in `label`.
 """
@@ -279,7 +279,7 @@ class Testbed:
 
     def _start_reaper(self) -> None:
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "deepco.testbed", "--reap", str(os.getpid()), self.prefix],
+            [sys.executable, "-m", "deepco_bench.testbed", "--reap", str(os.getpid()), self.prefix],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _build(self) -> None:
@@ -408,5 +408,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--reap":
         _reap(int(sys.argv[2]), sys.argv[3])
     else:
-        print("usage: python -m deepco.testbed --reap OWNER_PID PREFIX", file=sys.stderr)
+        print("usage: python -m deepco_bench.testbed --reap OWNER_PID PREFIX", file=sys.stderr)
         sys.exit(2)

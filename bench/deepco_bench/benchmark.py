@@ -9,7 +9,7 @@ measurements for every algorithm), then
 Every output of every frame is checked against ONNX Runtime on the whole, unpartitioned model with the
 same preprocessing. Writes one JSON document with the physical bound of the point (see `bound`).
 
-    python -m device.benchmark --cluster C --model resnet18 --input-size 224x224 \\
+    python -m deepco_bench.benchmark --cluster C --model resnet18 --input-size 224x224 \\
         --algorithms local,offload,round-robin,auto,thread,modnn-sa --frames 8 --out results.json
 """
 
@@ -34,6 +34,7 @@ from tqdm import tqdm
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
+from deepco.parsing import parse_size
 
 WARMUP_FRAMES = 2
 LOADED, GO = "deepco-bench: model loaded", "go"  # the --handshake lines
@@ -113,7 +114,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     unknown = [a for a in algorithms if a not in ALL]
     if unknown:
         raise UserError(f"unknown algorithm(s) {', '.join(unknown)} (choose from {', '.join(ALL)})")
-    h, w = (int(v) for v in args.input_size.split("x"))
+    h, w = parse_size(args.input_size)
     cluster = load_cluster(args.cluster)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     how = modelcard.from_args(args.model, args)

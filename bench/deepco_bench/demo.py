@@ -4,7 +4,7 @@ camera alone), `offload` (the whole model on the best server) and DeepCo's `auto
 by side; a table compares them and a picture shows the plan on the frame and every frame's latency.
 Servers, cgroup and temporary files are removed at the end and on Ctrl-C.
 
-The device runs in a child process (``python -m device.demo --worker SPEC``) so that the quota limits it
+The device runs in a child process (``python -m deepco_bench.demo --worker SPEC``) so that the quota limits it
 alone: it joins the cgroup after its imports, before it measures anything, so the planner sees the weak
 camera it plans for.
 """
@@ -106,7 +106,7 @@ def grace_hopper() -> Path:
 def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
     """A cpu cgroup with a quota of ``cores`` for the device process: (its cgroup.procs, what it is); (None,
     why not) where it cannot be made. Removed on exit, with anything still in it killed."""
-    from deepco.testbed import CPU_PERIOD_US, cgroup_root, remove_everything
+    from deepco_bench.testbed import CPU_PERIOD_US, cgroup_root, remove_everything
 
     if os.geteuid() != 0:
         yield None, "cannot emulate a weak camera: a cgroup CPU quota needs root; the device runs at full speed"
@@ -290,10 +290,10 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
 def run(args: argparse.Namespace) -> int:
     """Camera cgroup, servers, clip and model up; the device runs every plan; compare, draw, clean up."""
     from deepco_device.preprocess import preprocessing_for
-    from deepco_device.run_command import parse_size
     from deepco_device.sources import make_pan_zoom_clip
 
     from deepco import zoo
+    from deepco.parsing import parse_size
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
                     "width": width, "cgroup": str(cgroup) if cgroup else None, "outputs": str(tmp / "outputs.npz"),
                     "results": str(tmp / "results.json")}
             (tmp / "spec.json").write_text(json.dumps(spec))
-            device = subprocess.run([sys.executable, "-m", "deepco_device.demo", "--worker", str(tmp / "spec.json")])
+            device = subprocess.run([sys.executable, "-m", "deepco_bench.demo", "--worker", str(tmp / "spec.json")])
             if device.returncode != 0:
                 raise UserError(f"the device process failed (exit {device.returncode}; see the line above)")
         print("demo: servers stopped" + ("; camera cgroup removed" if cgroup else ""), flush=True)
@@ -367,5 +367,5 @@ def worker_main(spec_path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.exit(worker_main(sys.argv[2]))
-    print("usage: python -m device.demo --worker SPEC.json (the demo's device process)", file=sys.stderr)
+    print("usage: python -m deepco_bench.demo --worker SPEC.json (the demo's device process)", file=sys.stderr)
     sys.exit(2)
