@@ -99,7 +99,7 @@ def test_the_demos_device_process_ends_an_error_with_one_line(tmp_path):
             "frames": 1, "height": 64, "width": 64, "cgroup": None, "outputs": str(tmp_path / "o.npz"),
             "results": str(tmp_path / "r.json")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, "-m", "deepco_device.demo", "--worker", str(tmp_path / "spec.json")],
+    done = subprocess.run([sys.executable, "-m", "deepco_bench.demo", "--worker", str(tmp_path / "spec.json")],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
