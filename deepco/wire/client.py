@@ -42,6 +42,11 @@ class ServerError(UserError):
         super().__init__(f"server {address}: {code.name}: {details}")
         self.address, self.code, self.details = address, code, details
 
+    @classmethod
+    def from_rpc(cls, address: str, exc: grpc.RpcError) -> ServerError:
+        """The one translation of a failed gRPC call to the server at ``address`` into a DeepCo error."""
+        return cls(address, exc.code(), exc.details() or "")
+
 
 class WrongAnswer(ServerError):
     """A server answered, but with something that does not fit the request: a tensor of the wrong shape,
@@ -80,7 +85,7 @@ class RunHandle:
         try:
             event = next(self.events)
         except grpc.RpcError as exc:
-            raise ServerError(self.client.address, exc.code(), exc.details() or "") from None
+            raise ServerError.from_rpc(self.client.address, exc) from None
         except StopIteration:
             raise ServerError(self.client.address, grpc.StatusCode.INTERNAL, "Run ended without a result") from None
         if event.WhichOneof("event") != "result":
@@ -91,6 +96,39 @@ class RunHandle:
         except TensorError as exc:
             raise WrongAnswer(self.client.address, str(exc)) from None
         return outputs, result.compute_seconds, result.queue_seconds
+
+
+class SplitJob:
+    """One participant's stream of a split job (DeepcoService.ModnnRun), read in the contract's order: a
+    ``received`` event once the server holds its input, then its ``modnn_result``. Every failure, an early end
+    or an event out of order included, is a ServerError naming the server."""
+
+    def __init__(self, address: str, call: Any):
+        self.address, self.call = address, call  # ``call``: the gRPC stream, to cancel from elsewhere
+
+    def received(self) -> None:
+        """Wait until the server has received this participant's input."""
+        self._next("received")
+
+    def result(self) -> dpb.ModnnResult:
+        """Wait for this participant's result."""
+        return self._next("modnn_result").modnn_result
+
+    def cancel(self) -> None:
+        """Cancel the job's stream (the server stops it and its peers stop waiting for it)."""
+        self.call.cancel()
+
+    def _next(self, kind: str) -> Any:
+        try:
+            event = next(self.call)
+        except grpc.RpcError as exc:
+            raise ServerError.from_rpc(self.address, exc) from None
+        except StopIteration:
+            raise ServerError(self.address, grpc.StatusCode.INTERNAL,
+                              "job ended without a result" if kind == "modnn_result" else "job ended early") from None
+        if event.WhichOneof("event") != kind:
+            raise WrongAnswer(self.address, "ModnnRun answered out of order")
+        return event
 
 
 class InferenceClient:
@@ -121,7 +159,7 @@ class InferenceClient:
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as exc:
-            raise ServerError(self.address, exc.code(), exc.details() or "") from None
+            raise ServerError.from_rpc(self.address, exc) from None
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the server answers ServerReady=true, or raise ServerError after ``timeout`` s."""
@@ -237,7 +275,7 @@ class InferenceClient:
         except grpc.RpcError as exc:
             if watchdog is not None:
                 watchdog.cancel()
-            raise ServerError(self.address, exc.code(), exc.details() or "") from None
+            raise ServerError.from_rpc(self.address, exc) from None
         except StopIteration:
             if watchdog is not None:
                 watchdog.cancel()
@@ -248,6 +286,11 @@ class InferenceClient:
             events.cancel()
             raise WrongAnswer(self.address, "Run answered out of order")
         return RunHandle(self, events, watchdog)
+
+    def start_split(self, request: dpb.ModnnRequest, timeout: float | None = None) -> SplitJob:
+        """Start this server's part of a split job; the handle reads its events (nothing is waited for here)."""
+        return SplitJob(self.address, self.deepco.ModnnRun(request, timeout=self.timeout if timeout is None
+                                                            else timeout))
 
     def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:
         """Seconds for ``payload_bytes`` to reach the server and ``reply_bytes`` to come back."""

@@ -1,0 +1,76 @@
+"""The split-job contract (DeepcoService.ModnnRun), both ends of it in one place.
+
+A split plan runs as one job per participant. The device builds each participant's request here
+(`job_request`) and the server reads who gathers the last level from it (`gatherer`). Two conventions
+live only here:
+
+- *gather*: ``gather_to`` is 0 when the device gathers the bands of the last level (and runs the tail),
+  else 1 + the index of the participant that gathers them and runs ``tail_model``;
+- *rows*: ``Rows`` carry NCHW tensors, so an output of lower rank (a classifier's ``(1, classes)``) travels
+  padded with trailing 1s (`to_rows`) and is cut back to its rank on arrival (`from_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from deepco.wire import deepco_service_pb2 as dpb
+from deepco.wire.rows import encode_rows
+
+Interval = tuple[int, int]
+ROWS_RANK = 4  # Rows carry NCHW
+
+
+def gather_field(tail: int | None) -> int:
+    """``gather_to`` for a job whose last level is gathered by participant ``tail`` (None: the device)."""
+    return 0 if tail is None else tail + 1
+
+
+def gatherer(gather_to: int, participants: int) -> int | None:
+    """The participant that gathers the last level (None: the device); ValueError when ``gather_to`` names no
+    participant of ``participants``."""
+    if gather_to == 0:
+        return None
+    if not 0 < gather_to <= participants:
+        raise ValueError(f"gather_to {gather_to} is not 1 + an index of the {participants} peers")
+    return gather_to - 1
+
+
+def to_rows(output: np.ndarray) -> np.ndarray:
+    """``output`` as the NCHW tensor a ``Rows`` message carries (trailing 1s up to rank 4)."""
+    if output.ndim > ROWS_RANK:
+        raise ValueError(f"an output of rank {output.ndim} does not travel as NCHW rows")
+    return output.reshape(*output.shape, *([1] * (ROWS_RANK - output.ndim)))
+
+
+def rows_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The NCHW shape an output of ``shape`` travels as."""
+    return (*shape, *([1] * (ROWS_RANK - len(shape))))
+
+
+def from_rows(array: np.ndarray, rank: int) -> np.ndarray:
+    """An output that travelled as NCHW rows, back at its own ``rank``."""
+    return array.reshape(array.shape[:rank])
+
+
+def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
+                bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
+                crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
+                tail: int | None, tail_model: str) -> dpb.ModnnRequest:
+    """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
+    (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
+    participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers."""
+    levels = []
+    for j in range(len(bands)):
+        level = dpb.ModnnLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
+        if j:
+            level.window.extend(dpb.RowRange(start=a, stop=b) for a, b in windows[j])
+            level.crop.extend(crops[j])
+        levels.append(level)
+    a, b = windows[0][index]
+    return dpb.ModnnRequest(job_id=job_id, segment_models=list(segment_models), server_index=index, peers=list(peers),
+                            levels=levels, input=encode_rows(np.ascontiguousarray(image[:, :, a:b, :]), a),
+                            exchange_timeout_seconds=exchange_timeout, lookahead=lookahead,
+                            gather_to=gather_field(tail), tail_model=tail_model if tail == index else "")
