@@ -1,4 +1,5 @@
-"""How a camera frame becomes a model's input: the model card (``model.toml`` beside ``model.onnx``) and flags.
+"""How a camera frame becomes a model's input: the model card (``unet.toml`` beside ``unet.onnx``, or ``model.toml``
+in the model's folder) and flags.
 
 A frame is cropped or stretched to the model's input size, turned into the model's channels (RGB, BGR or
 grey) and sent as uint8 pixels p; the model's graph gets x = (p * scale - mean_c) / std_c in front
@@ -69,11 +70,13 @@ IMAGENET = Preprocessing()
 
 
 def card_path(model: str) -> Path | None:
-    """``model.toml`` beside ``model.onnx``, if there is one."""
+    """The model card of ``model`` (an ONNX file): ``<stem>.toml`` beside it, else ``model.toml`` in its folder
+    (a folder per model, as model repositories lay them out); the stem's wins; None if there is neither."""
     if not model.endswith(".onnx"):
         return None
-    path = Path(model).with_suffix(".toml")
-    return path if path.is_file() else None
+    own = Path(model).with_suffix(".toml")
+    shared = Path(model).with_name("model.toml")
+    return next((p for p in (own, shared) if p.is_file()), None)
 
 
 def read_card(path: str | Path) -> dict:
@@ -154,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser, output: bool = False) -> None:
     """The preprocessing flags (and, with ``output``, --output and --output-dir) of commands that take a model."""
     g = p.add_argument_group("your own model's preprocessing (override its model card, see docs/formats.md)")
     g.add_argument("--model-card", metavar="FILE.toml",
-                   help="the model card (default: MODEL.toml beside MODEL.onnx, if present)")
+                   help="the model card (default: MODEL.toml beside MODEL.onnx, else model.toml in its folder)")
     g.add_argument("--channels", type=int, choices=[1, 3], help="1 (grey pixels 1xHxW) or 3 (default 3)")
     g.add_argument("--color-order", choices=list(ORDERS), help="channel order of a 3-channel input (default rgb)")
     g.add_argument("--mean", metavar="M[,M,M]", help="per-channel mean after scaling (default ImageNet's "

@@ -142,6 +142,9 @@ def _models_command_lists_and_clears(servers, cluster) -> None:
     everything = deepco("models", "--cluster", str(cluster), "--all")
     assert everything.returncode == 0, everything.stderr
     assert _loaded(servers) == [[], []]
+    assert everything.stdout.strip().splitlines()[-1] == "unloaded 2 model(s) from 2 server(s)"
+    again = deepco("models", "--cluster", str(cluster), "--all")  # nothing left: still a line saying so
+    assert again.returncode == 0 and again.stdout.strip() == "unloaded 0 model(s) from 2 server(s)", again.stdout
 
 
 def test_capacity_check_before_setup(servers) -> None:
@@ -157,3 +160,13 @@ def test_capacity_check_before_setup(servers) -> None:
                 check_capacity(c, 8)
         finally:
             c.unload_model("occupant")
+
+
+def test_models_names_an_unreachable_server_once(tmp_path) -> None:
+    cluster = tmp_path / "gone.toml"
+    cluster.write_text('[device]\nantennas = 1\nbandwidth = 10.0\n[[servers]]\nname = "gone"\ncapacity = 1.0\n'
+                       'address = "127.0.0.1:9"\n')
+    listing = deepco("models", "--cluster", str(cluster), "--timeout", "2")
+    assert listing.returncode == 1
+    # once from us (gRPC's own details may repeat it, which is its text, not ours)
+    assert listing.stdout.startswith("gone: error: server 127.0.0.1:9: UNAVAILABLE"), listing.stdout

@@ -45,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
                     for m in index:
                         print(f"  {m.name}  version {m.version}  {m.reason}")
         except UserError as exc:
-            print(f"{server.name} {address}: error: {exc}")
+            print(f"{server.name}: error: {exc}")  # the error names the server's address already
             failed += 1
     if args.unload and not found and not failed:
         raise UserError(f"no server of {args.cluster} has a model named {args.unload!r}")
+    if args.all or args.unload:
+        reached = len(cluster.servers) - failed
+        print(f"unloaded {found} model(s) from {reached} server(s)" + (f"; {failed} not reached" if failed else ""))
     return 1 if failed else 0
