@@ -148,6 +148,22 @@ class SimResult:
                 "cloud_jobs": sum(1 for j in self.jobs if j.cloud)}
 
 
+def _work_per_slot(allocs: dict, active: dict[int, JobState], k: int) -> tuple[dict[int, float], int]:
+    """The work each running job does per slot under ``allocs``, and ``k`` cut to the first completion."""
+    per_slot: dict[int, float] = {}
+    for jid, alloc in allocs.items():
+        if alloc.total_workers > 0:
+            st = active[jid]
+            work = alloc.work
+            if work is None:
+                work = alloc.total_workers * st.job.rate(alloc.colocated())
+            per_slot[jid] = work
+            if work > 0:
+                left = st.remaining - EPS * max(1.0, st.job.total_work)
+                k = min(k, max(1, math.ceil(left / work - 1e-12)))
+    return per_slot, max(1, k)
+
+
 class Simulator:
     """Drives one policy over one workload on one cluster, checking every constraint each slot."""
 
@@ -204,19 +220,7 @@ class Simulator:
             k = max(1, policy.stable_until(t, state) - t + 1)
             if nxt < len(pending):
                 k = min(k, pending[nxt].arrival - t)
-            per_slot: dict[int, float] = {}
-            for jid, alloc in allocs.items():
-                if alloc.total_workers > 0:
-                    st = active[jid]
-                    job = st.job
-                    work = alloc.work
-                    if work is None:
-                        work = alloc.total_workers * job.rate(alloc.colocated())
-                    per_slot[jid] = work
-                    if work > 0:
-                        left = st.remaining - EPS * max(1.0, job.total_work)
-                        k = min(k, max(1, math.ceil(left / work - 1e-12)))
-            k = max(1, k)
+            per_slot, k = _work_per_slot(allocs, active, k)
             if self.executor is not None:  # execution for real: check and count what really ran, not the plan
                 really, allocs = self.executor.execute(t, k, {j: allocs[j] for j in per_slot}, per_slot, active)
                 self._check(t, active, allocs)

@@ -215,28 +215,32 @@ class Preemptive(Policy):
                 version[(cloud.index, -1)] = q0
                 heapq.heappush(heap, (q0, cloud.index, -1, float(job.arrival + delay)))
             self.alpha[(job.id, d)] = q
-            srv = cluster.servers[s]
-            chunk = Chunk(job, d, edge_rate / job.total_work, cluster.ready(job, srv), job.chunk_work,
-                          edge_rate, self._next_seq(), server=s, worker=w)
-            queue = self.queues[s][w]
-            was_empty = not queue
-            bisect.insort(queue, chunk, key=Chunk.sort_key)
-            self.busy[s].add(w)
-            key = (s, w)
-            g = self.gid[key]
-            self.load[g] += chunk.remaining_time
-            self.dmax[g] = max(self.dmax[g], job.chunks)
-            self.g_busy[g] = True
-            if chunk.release <= now:
-                self.dirty.add(key)
-            else:
-                heapq.heappush(self.releases, (chunk.release, s, w))
-            self.where[job.id].add(s)
+            was_empty = self._enqueue(job, d, s, w, edge_rate, now)
             push(s, w)  # lines 21-22: only the chosen worker's Q changes
             if was_empty:
                 empty = self._first_empty(s)
                 if empty is not None and (s, empty) not in version:
                     push(s, empty)
+
+    def _enqueue(self, job: Job, d: int, s: int, w: int, edge_rate: float, now: int) -> bool:
+        """Queue chunk ``d`` of ``job`` on edge worker ``w`` of server ``s`` (its load, release and the job's
+        servers kept up to date); whether that worker's queue was empty before."""
+        chunk = Chunk(job, d, edge_rate / job.total_work, self.cluster.ready(job, self.cluster.servers[s]),
+                      job.chunk_work, edge_rate, self._next_seq(), server=s, worker=w)
+        queue = self.queues[s][w]
+        was_empty = not queue
+        bisect.insort(queue, chunk, key=Chunk.sort_key)
+        self.busy[s].add(w)
+        g = self.gid[(s, w)]
+        self.load[g] += chunk.remaining_time
+        self.dmax[g] = max(self.dmax[g], job.chunks)
+        self.g_busy[g] = True
+        if chunk.release <= now:
+            self.dirty.add((s, w))
+        else:
+            heapq.heappush(self.releases, (chunk.release, s, w))
+        self.where[job.id].add(s)
+        return was_empty
 
     def _serves(self, job: Job) -> np.ndarray:
         """Mask over edge workers whose server takes ``job``'s worker type."""
