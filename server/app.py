@@ -16,11 +16,12 @@ from deepco_server.budgets import (
     DEFAULT_MAX_STREAMS,
     BudgetInterceptor,
 )
+from deepco_server.dataplane import Admission, ServerState
 from deepco_server.metrics import Metrics, ObservingInterceptor
 from deepco_server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from deepco_server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
 from deepco_server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
-from deepco_server.service import Admission, DeepcoServicer, InferenceServicer, ServerState
+from deepco_server.service import DeepcoServicer, InferenceServicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deepco.errors import UserError
@@ -104,13 +105,9 @@ class Server:
         self.runtime = runtime or choose_runtime(config.device, config.threads)
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
                             lease=config.model_lease or None, max_request_bytes=config.max_request_bytes)
-        self.state = ServerState(registry, Admission(config.max_inflight))
-        self.state.peers = frozenset(config.peers)
         security = config.security
         self.peer_security = security.peer_security()
-        # For server.modnn's server-to-server channels (make_channel(address, state.peer_security)); set here
-        # until ServerState declares it itself.
-        self.state.peer_security = self.peer_security
+        self.state = ServerState(registry, Admission(config.max_inflight), self.peer_security, config.peers)
         # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
         work_slots = config.max_inflight + 2
         self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=work_slots,

@@ -30,7 +30,19 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from deepco_server.models import Registry, RequestError, invalid
+from deepco_server.dataplane import ServerState
+from deepco_server.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    Internal,
+    Kind,
+    PermissionDenied,
+    ResourceExhausted,
+    ServerFault,
+    invalid,
+)
+from deepco_server.models import Registry
 from deepco_server.security import is_loopback
 
 from deepco.planning.modnn import NOT_A_SERVER, check_tables, receives, sends
@@ -89,8 +101,7 @@ class Mailboxes:
         box = self.boxes.get(job)
         if box is None:
             if len(self.boxes) >= self.max_mailboxes:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"MoDNN: {len(self.boxes)} job mailboxes open, the limit; retry later")
+                raise ResourceExhausted(f"MoDNN: {len(self.boxes)} job mailboxes open, the limit; retry later")
             box = self.boxes[job] = Mailbox(time.monotonic())
         return box
 
@@ -100,21 +111,18 @@ class Mailboxes:
         with self.cond:
             running = sum(b.claimed for b in self.boxes.values())
             if job in self.boxes and self.boxes[job].claimed or job in self.finished:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"MoDNN job {job!r} already ran here")
+                raise AlreadyExists(f"MoDNN job {job!r} already ran here")
             if running >= self.max_jobs:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"server busy: {running} MoDNN jobs already running (limit {self.max_jobs})")
+                raise ResourceExhausted(f"server busy: {running} MoDNN jobs already running (limit {self.max_jobs})")
             if self.threads is not None:
                 if threads > self.threads:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"MoDNN job {job!r} needs {threads} worker threads here (its run and "
-                                       f"{threads - 1} peers' streams), more than the {self.threads} this server "
-                                       "gives MoDNN; start it with a larger --max-inflight")
+                    raise ResourceExhausted(f"MoDNN job {job!r} needs {threads} worker threads here (its run and "
+                                            f"{threads - 1} peers' streams), more than the {self.threads} this server "
+                                            "gives MoDNN; start it with a larger --max-inflight")
                 held = sum(self._held.values())
                 if held + threads > self.threads:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"server busy: MoDNN jobs hold {held} of {self.threads} worker threads, "
-                                       f"this one needs {threads}")
+                    raise ResourceExhausted(f"server busy: MoDNN jobs hold {held} of {self.threads} worker threads, "
+                                            f"this one needs {threads}")
             box = self._box(job)
             box.claimed = True
             self._held[job] = threads
@@ -129,8 +137,7 @@ class Mailboxes:
             if (level, sender) in box.rows:
                 raise invalid(f"MoDNN job {job!r}: rows of level {level} from server {sender} sent twice")
             if self.bytes + array.nbytes > self.max_bytes:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"MoDNN: {self.bytes} bytes of peers' rows held, the limit is {self.max_bytes}")
+                raise ResourceExhausted(f"MoDNN: {self.bytes} bytes of peers' rows held, the limit is {self.max_bytes}")
             box.rows[(level, sender)] = (array, start)
             self.bytes += array.nbytes
             self.cond.notify_all()
@@ -166,17 +173,20 @@ class Outgoing:
         while (message := self.queue.get()) is not None:
             yield message
 
-    def error(self) -> RequestError | None:
+    def error(self) -> ServerFault | None:
         """The stream's failure, if it has failed, as the error to answer the job with."""
         if not self.future.done() or self.future.cancelled():
             return None
         exc = self.future.exception()
         if exc is None:
             return None
-        code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNKNOWN
-        details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-        status = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else code
-        return RequestError(status, f"cannot send rows to peer {self.peer} ({self.address}): {code.name}: {details}")
+        if isinstance(exc, grpc.RpcError):
+            status, details = exc.code().name, exc.details()
+        else:
+            status, details = Kind.UNKNOWN.name, str(exc)
+        # The job fails with the peer's own status (UNAVAILABLE, DEADLINE_EXCEEDED, ...): the device reads it.
+        kind = Kind.__members__.get(status, Kind.UNKNOWN)
+        return ServerFault(f"cannot send rows to peer {self.peer} ({self.address}): {status}: {details}", kind)
 
     def send(self, message: dpb.RowsMessage) -> None:
         """Queue a message (raising the stream's error if it already failed)."""
@@ -191,9 +201,8 @@ class Outgoing:
             self.future.result(timeout=timeout)
         except grpc.FutureTimeoutError:
             self.future.cancel()
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"peer {self.peer} ({self.address}) did not acknowledge its rows within "
-                               f"{timeout:g}s") from None
+            raise DeadlineExceeded(f"peer {self.peer} ({self.address}) did not acknowledge its rows within "
+                                   f"{timeout:g}s") from None
         except grpc.RpcError:
             pass
         if (err := self.error()) is not None:
@@ -329,23 +338,19 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
     # (a one-stage split with lookahead talks to none, so it needs no --peers).
     for k in sorted(talks_to):
         if not peer_allowed(peers[k], allowed_peers):
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"ModnnRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
-                               "it with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
+            raise PermissionDenied(f"ModnnRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
+                                   "it with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
     return result
 
 
 class ModnnService:
     """The MoDNN handlers of DeepcoService (wired in by server.service.DeepcoServicer)."""
 
-    def __init__(self, state, threads: int | None = None,
+    def __init__(self, state: ServerState, threads: int | None = None,
                  channel_factory: Callable[[str], grpc.Channel] | None = None):
-        # state: server.service.ServerState (not imported: it imports us). channel_factory opens the channel
-        # to a peer's address; the default is plain text, so a server whose peers require TLS or a token
-        # must pass a factory that secures the channel as its own clients are secured.
+        # channel_factory opens the channel to a peer's address; by default peers are dialled as this
+        # server's own clients are secured (TLS / mutual TLS / token): state.peer_security, from server.app.
         self.state = state
-        # Peers are dialled as this server's own clients are secured (TLS / mutual TLS / token): see
-        # server.app, which sets state.peer_security; read at dial time, so the setting always applies.
         self._open = channel_factory or (lambda address: make_channel(address, self.state.peer_security))
         self.mailboxes = Mailboxes(threads=threads)
         self._channels: dict[str, grpc.Channel] = {}
@@ -356,9 +361,8 @@ class ModnnService:
         if not address or len(address) > 256 or ":" not in address:
             raise invalid(f"peer address must be host:port, got {address[:64]!r}")
         if not peer_allowed(address, self.state.peers):  # the server's credentials go only to allowed peers
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"peer {address[:80]!r} is not an allowed peer of this server; start it with --peers "
-                               "listing its peers' host:port (loopback is always allowed)")
+            raise PermissionDenied(f"peer {address[:80]!r} is not an allowed peer of this server; start it with "
+                                   "--peers listing its peers' host:port (loopback is always allowed)")
         return self._stub(address)
 
     def _stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
@@ -418,9 +422,8 @@ class ModnnService:
                 pieces.sort(key=lambda p: p[0])
                 window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
                 if window.shape[2] != hi - lo:
-                    raise RequestError(grpc.StatusCode.INTERNAL,
-                                       f"MoDNN job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
-                                       f"expected [{lo}, {hi})")
+                    raise Internal(f"MoDNN job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
+                                   f"expected [{lo}, {hi})")
                 queued = time.perf_counter()
                 with self.state.admission.waiting(job.timeout):
                     started = time.perf_counter()
@@ -512,11 +515,10 @@ class ModnnService:
             if got is not None:
                 return got
             if not context.is_active():
-                raise RequestError(grpc.StatusCode.CANCELLED, f"MoDNN job {job.id!r} cancelled")
+                raise Cancelled(f"MoDNN job {job.id!r} cancelled")
             for out in outgoing.values():
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"MoDNN job {job.id!r}: no rows of level {level} from peer {peer} "
-                                   f"({job.peers[peer]}) within {job.timeout:g}s")
+                raise DeadlineExceeded(f"MoDNN job {job.id!r}: no rows of level {level} from peer {peer} "
+                                       f"({job.peers[peer]}) within {job.timeout:g}s")
