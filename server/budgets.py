@@ -38,7 +38,8 @@ from typing import Any
 
 import grpc
 from deepco_server.memory import release_freed_memory
-from deepco_server.rpc import Deferred, behavior, deferred, is_refusal, on_pool, refusal, split_method
+from deepco_server.parsing import deferred, parsed
+from deepco_server.rpc import behavior, is_refusal, on_pool, refusal, split_method
 
 PROBE_METHODS = frozenset({
     "/inference.GRPCInferenceService/ServerLive",
@@ -292,7 +293,7 @@ class BudgetInterceptor(grpc.ServerInterceptor):
         unary request the client cancels mid-way would otherwise skip it, and the slot would leak). Its
         deserializer, run by gRPC on its polling thread as the request arrives, only counts a unary request's
         bytes against the held-bytes budget (or drops them, over it); the message is parsed on this call's
-        own thread (server.rpc.Deferred).
+        own thread (server.parsing).
         """
         inner = behavior(handler)
         unary_request, response_streaming = not handler.request_streaming, handler.response_streaming
@@ -324,7 +325,7 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                                       f"{request.size} would pass the {self._held.limit} limit (--max-held-bytes; "
                                       f"{split_method(method)[1]} refused); retry later")
                 else:
-                    request = watched.reading(_parsed(requests)) if watched is not None else _parsed(requests)
+                    request = watched.reading(parsed(requests)) if watched is not None else parsed(requests)
                 if not response_streaming:
                     return inner(request, context)
                 return _released_after(inner(request, context), holding, watched)
@@ -340,15 +341,9 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def _parsed(requests: Iterator[Any]) -> Iterator[Any]:
-    """The messages of a request stream, parsed here if no interceptor before us did (server.rpc.Deferred)."""
-    for request in requests:
-        yield request.parse(request.data) if isinstance(request, Deferred) else request
-
-
 def _one(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
     """The one message of a unary request."""
-    for request in _parsed(requests):
+    for request in parsed(requests):
         return request
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{split_method(method)[1]} needs exactly one request message")
 
