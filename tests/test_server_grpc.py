@@ -270,3 +270,35 @@ def test_stop_drains_and_reports_not_ready() -> None:
         assert not c.server_ready() and not c.model_ready("conv")
         srv.stop(grace=1)
         assert _status(c.server_live)[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_budget_classes_follow_each_handlers_streaming_flags() -> None:
+    """The stream budget is derived from the handlers' flags; it must give exactly the streams named before."""
+    from deepco_server.budgets import CONTROL, PROBE, STREAM, WORK, budget_class
+    from deepco_server.service import DeepcoServicer, InferenceServicer
+    from grpc_health.v1 import health
+
+    from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
+
+    class Capture:  # what the generated add_*_to_server functions register, by full method name
+        def __init__(self) -> None:
+            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            self.handlers.update({f"/{service}/{name}": h for name, h in handlers.items()})
+
+    capture = Capture()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer.__new__(InferenceServicer), capture)
+    dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer.__new__(DeepcoServicer), capture)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), capture)
+    classes: dict[str, set[str]] = {}
+    for method, handler in capture.handlers.items():
+        classes.setdefault(budget_class(handler, method), set()).add(method.rpartition("/")[2])
+    assert classes[STREAM] == {"Watch", "Run", "ModnnRun", "ModnnExchange"}
+    assert classes[PROBE] == {"ServerLive", "ServerReady", "Check"}
+    assert classes[WORK] == {"ModelInfer", "RepositoryModelLoad", "Profile", "Echo", "ProbePeer"}
+    assert classes[CONTROL] == {"ServerMetadata", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics",
+                                "RepositoryIndex", "RepositoryModelUnload"}
