@@ -389,8 +389,9 @@ class ModnnService:
             count += 1
         return dpb.ExchangeAck(messages=count)
 
-    def run(self, job: Job, context: grpc.ServicerContext) -> dpb.ModnnResult:
-        """Run a claimed job to its band of the last level (see the module doc)."""
+    def run(self, job: Job, active: Callable[[], bool]) -> dpb.ModnnResult:
+        """Run a claimed job to its band of the last level (see the module doc); ``active`` says whether the
+        client still waits for it (its waits end CANCELLED once not)."""
         result = dpb.ModnnResult()
         outgoing: dict[int, Outgoing] = {}
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
@@ -417,7 +418,7 @@ class ModnnService:
                     pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
                 waited = time.perf_counter()
                 for peer, rows in job.receives(level).items():
-                    pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, context, result)))
+                    pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, active, result)))
                 result.exchange_wait_seconds += time.perf_counter() - waited
                 pieces.sort(key=lambda p: p[0])
                 window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
@@ -442,7 +443,7 @@ class ModnnService:
             elif job.gather_to != job.me:
                 self._send_band(job, band, outgoing, result, deadline_total)
             else:
-                result.output.CopyFrom(encode_rows(self._gather_and_finish(job, band, outgoing, result, context),
+                result.output.CopyFrom(encode_rows(self._gather_and_finish(job, band, outgoing, result, active),
                                                    0))
             for out in outgoing.values():
                 out.finish(job.timeout)
@@ -466,7 +467,7 @@ class ModnnService:
         result.bytes_sent += piece.nbytes
 
     def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
-                           result: dpb.ModnnResult, context: grpc.ServicerContext) -> np.ndarray:
+                           result: dpb.ModnnResult, active: Callable[[], bool]) -> np.ndarray:
         """Every peer's band of the last level, stitched with ours, through the tail model: the output."""
         last = len(job.models)
         pieces = [(job.bands[-1][job.me][0], band)]
@@ -474,7 +475,7 @@ class ModnnService:
         for peer in range(len(job.peers)):
             if peer != job.me:
                 rows = job.bands[-1][peer]
-                pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, context, result)))
+                pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result)))
         result.exchange_wait_seconds += time.perf_counter() - waited
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
@@ -491,11 +492,11 @@ class ModnnService:
         return np.ascontiguousarray(output)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
-              outgoing: dict[int, Outgoing], context: grpc.ServicerContext, result: dpb.ModnnResult) -> np.ndarray:
+              outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.ModnnResult) -> np.ndarray:
         """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
         the rows); counted in ``result``."""
         a, b = rows
-        array, start = self._wait(job, level, peer, outgoing, context)
+        array, start = self._wait(job, level, peer, outgoing, active)
         if start != a or array.shape[2] != b - a or array.shape[:2] != like.shape[:2] \
                 or array.shape[3] != like.shape[3]:
             raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
@@ -506,7 +507,7 @@ class ModnnService:
         return array
 
     def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
-              context: grpc.ServicerContext) -> tuple[np.ndarray, int]:
+              active: Callable[[], bool]) -> tuple[np.ndarray, int]:
         """The rows of ``level`` from ``peer``: DEADLINE_EXCEEDED naming it if they do not come in time;
         fails at once if the job is cancelled or one of our own streams to a peer broke."""
         until = time.monotonic() + job.timeout
@@ -514,7 +515,7 @@ class ModnnService:
             got = self.mailboxes.take(job.id, level, peer, POLL_SECONDS)
             if got is not None:
                 return got
-            if not context.is_active():
+            if not active():
                 raise Cancelled(f"MoDNN job {job.id!r} cancelled")
             for out in outgoing.values():
                 if (err := out.error()) is not None:

@@ -284,7 +284,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())
             with _answering("ModnnRun", context):
-                result = self.modnn.run(job, context)
+                result = self.modnn.run(job, context.is_active)
             yield dpb.RunEvent(modnn_result=result)
         finally:
             self.modnn.mailboxes.drop(job.id)
