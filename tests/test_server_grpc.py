@@ -330,3 +330,16 @@ def test_budget_classes_follow_each_handlers_streaming_flags() -> None:
     assert classes[WORK] == {"ModelInfer", "RepositoryModelLoad", "Profile", "Echo", "ProbePeer"}
     assert classes[CONTROL] == {"ServerMetadata", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics",
                                 "RepositoryIndex", "RepositoryModelUnload"}
+
+
+def test_every_fault_kind_maps_to_the_grpc_status_of_its_name() -> None:
+    from deepco_server.errors import Kind, NotFound, ServerFault, invalid
+    from deepco_server.service import status_of
+
+    from deepco.wire.tensors import TensorError
+
+    for kind in Kind:
+        assert status_of(ServerFault("x", kind)) == grpc.StatusCode[kind.name]
+    assert status_of(NotFound("x")) == grpc.StatusCode.NOT_FOUND and status_of(invalid("x")) == INVALID
+    assert status_of(TensorError("x")) == INVALID
+    assert status_of(ValueError("x")) is None  # a bug of ours: answered INTERNAL, with a logged traceback
