@@ -16,11 +16,12 @@ from deepco_server.budgets import (
     DEFAULT_MAX_STREAMS,
     BudgetInterceptor,
 )
+from deepco_server.dataplane import Admission, ServerState
 from deepco_server.metrics import Metrics, ObservingInterceptor
 from deepco_server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from deepco_server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
 from deepco_server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
-from deepco_server.service import Admission, DeepcoServicer, InferenceServicer, ServerState
+from deepco_server.service import DeepcoServicer, InferenceServicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deepco.errors import UserError
@@ -35,6 +36,16 @@ DEFAULT_MODEL_LEASE = 600.0
 # 1 MiB per stream in flight still moves 100 MB/s at a 10 ms round trip (Java's and Go's gRPC fix 1 MiB too).
 STREAM_WINDOW_BYTES = 1 << 20
 SERVICES = ("", "inference.GRPCInferenceService", "deepco.DeepcoService")
+SERVER_OPTIONS = [
+    *GRPC_MESSAGE_OPTIONS,
+    # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and silently share it;
+    # we want "port in use" to be an error.
+    ("grpc.so_reuseport", 0),
+    # A fixed receive window per stream instead of gRPC's auto-tuned one (at least 4 MiB, more on fast links):
+    # that is what gRPC buffers of a request before any handler looks at it, so 200 clients sending 8 MiB
+    # requests made it hold 1-2 GB (bench/readiness_flood.py).
+    ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,18 @@ class ServeConfig:
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
     max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, ModnnRun, ModnnExchange, Health/Watch) open at once
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # request bytes admitted calls hold at once
+
+    def __post_init__(self) -> None:
+        # The one check of the limits: the command line's parsers check them too, but a config made in code
+        # (tests, bench/) comes here without them.
+        if self.max_models < 1 or self.max_inflight < 1:
+            raise UserError("--max-models and --max-inflight must be >= 1")
+        if self.max_model_bytes < 1 or (self.max_queue is not None and self.max_queue < 0):
+            raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
+        if self.model_lease < 0 or self.max_request_bytes < 1 or self.stream_idle_seconds <= 0:
+            raise UserError("--model-lease must be >= 0, --max-request-bytes >= 1 and --stream-idle-timeout > 0")
+        if self.max_streams < 1 or self.max_held_bytes < 1:
+            raise UserError("--max-streams and --max-held-bytes must be >= 1")
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -92,70 +115,67 @@ class Server:
     """
 
     def __init__(self, config: ServeConfig, runtime: Runtime | None = None):
-        if config.max_models < 1 or config.max_inflight < 1:
-            raise UserError("--max-models and --max-inflight must be >= 1")
-        if config.max_model_bytes < 1 or (config.max_queue is not None and config.max_queue < 0):
-            raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
-        if config.model_lease < 0 or config.max_request_bytes < 1 or config.stream_idle_seconds <= 0:
-            raise UserError("--model-lease must be >= 0, --max-request-bytes >= 1 and --stream-idle-timeout > 0")
-        if config.max_streams < 1 or config.max_held_bytes < 1:
-            raise UserError("--max-streams and --max-held-bytes must be >= 1")
-        self.config = config
+        self.config = config  # checked when it was made (ServeConfig.__post_init__)
         self.runtime = runtime or choose_runtime(config.device, config.threads)
+        self.peer_security = config.security.peer_security()
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
                             lease=config.model_lease or None, max_request_bytes=config.max_request_bytes)
-        self.state = ServerState(registry, Admission(config.max_inflight))
-        self.state.peers = frozenset(config.peers)
-        security = config.security
-        self.peer_security = security.peer_security()
-        # For server.modnn's server-to-server channels (make_channel(address, state.peer_security)); set here
-        # until ServerState declares it itself.
-        self.state.peer_security = self.peer_security
+        self.state = ServerState(registry, Admission(config.max_inflight), self.peer_security, config.peers)
         # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
-        work_slots = config.max_inflight + 2
-        self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=work_slots,
+        self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=config.max_inflight + 2,
                                          idle_seconds=config.stream_idle_seconds, max_queue=config.max_queue,
                                          max_held_bytes=config.max_held_bytes)
         self.max_queue = self.budgets.max_queue
         self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes)
-        interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics), self.budgets]
-        if security.token is not None:
-            # Asked by the budgets before they admit a call: no slot for a caller without the token.
-            interceptors.append(TokenAuthInterceptor(security.token))
-        options = [*GRPC_MESSAGE_OPTIONS,
-                   # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
-                   # silently share it; we want "port in use" to be an error.
-                   ("grpc.so_reuseport", 0),
-                   # A fixed receive window per stream instead of gRPC's auto-tuned one (at least 4 MiB, more
-                   # on fast links): that is what gRPC buffers of a request before any handler looks at it, so
-                   # 200 clients sending 8 MiB requests made it hold 1-2 GB (bench/readiness_flood.py).
-                   ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]
         # No maximum_concurrent_rpcs: gRPC's own limit refuses whatever call comes next, readiness probes
         # included. The budgets refuse the excess of each class instead, before reading its request.
-        self.grpc = grpc.server(self.budgets.control_pool, options=options, interceptors=interceptors)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.grpc)
-        dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state, config.max_streams), self.grpc)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        address = f"{config.host}:{config.port}"
-        check_bindable(config.host, config.port)
-        try:
-            if security.tls:
-                self.port = self.grpc.add_secure_port(address, security.credentials())
-            else:
-                self.port = self.grpc.add_insecure_port(address)
-        except RuntimeError:
-            self.port = 0
-        if self.port == 0:
-            raise UserError(f"cannot listen on {address}: the port is in use or the address is not local")
-        self.metrics_port: int | None = None
-        if config.metrics_port is not None:
-            check_bindable(config.metrics_host, config.metrics_port)
-            self.metrics_port = self.metrics.serve_http(config.metrics_host, config.metrics_port,
-                                                        config.metrics_token)
+        self.grpc = grpc.server(self.budgets.control_pool, options=SERVER_OPTIONS, interceptors=self._interceptors())
+        self.health = self._add_services()
+        self.port = self._listen()
+        self.metrics_port = self._serve_metrics()
         self.grpc.start()
         for service in SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def _interceptors(self) -> list[grpc.ServerInterceptor]:
+        """Outermost first: observing, then the budgets, then the token check (if a token is configured)."""
+        interceptors: list[grpc.ServerInterceptor] = [ObservingInterceptor(self.metrics), self.budgets]
+        if self.config.security.token is not None:
+            # Asked by the budgets before they admit a call: no slot for a caller without the token.
+            interceptors.append(TokenAuthInterceptor(self.config.security.token))
+        return interceptors
+
+    def _add_services(self) -> health.HealthServicer:
+        """Register both services and grpc.health.v1 on the server; the health servicer."""
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.grpc)
+        dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer(self.state, self.config.max_streams), self.grpc)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.grpc)
+        return health_servicer
+
+    def _listen(self) -> int:
+        """Open the gRPC port (TLS if configured); the port bound, or a UserError saying why not."""
+        config = self.config
+        address = f"{config.host}:{config.port}"
+        check_bindable(config.host, config.port)
+        try:
+            if config.security.tls:
+                port = self.grpc.add_secure_port(address, config.security.credentials())
+            else:
+                port = self.grpc.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise UserError(f"cannot listen on {address}: the port is in use or the address is not local")
+        return port
+
+    def _serve_metrics(self) -> int | None:
+        """Serve /metrics if configured; the port bound (None: off)."""
+        config = self.config
+        if config.metrics_port is None:
+            return None
+        check_bindable(config.metrics_host, config.metrics_port)
+        return self.metrics.serve_http(config.metrics_host, config.metrics_port, config.metrics_token)
 
     @property
     def address(self) -> str:

@@ -15,8 +15,9 @@ interceptors on its polling thread), and runs each class of call on its own pool
 ``experimental_thread_pool``):
 
 - *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused;
-- *streams* (Health/Watch, Run, ModnnRun, ModnnExchange): at most ``stream_slots`` at once, a thread each;
-  one that sees no message read or written for ``idle_seconds`` is cancelled, which frees its thread;
+- *streams* (every method streaming its request or its response: Health/Watch, Run, ModnnRun, ModnnExchange):
+  at most ``stream_slots`` at once, a thread each; one that sees no message read or written for
+  ``idle_seconds`` is cancelled, which frees its thread;
 - *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
   thread each; one whose request does not arrive within ``idle_seconds`` is cancelled too;
 - *control* (the rest: metadata, index, unload, ...): a few threads, at most ``max_queue`` waiting for one;
@@ -38,18 +39,16 @@ from typing import Any
 
 import grpc
 from deepco_server.memory import release_freed_memory
-from deepco_server.rpc import Deferred, behavior, deferred, is_refusal, on_pool, refusal, split_method
+from deepco_server.parsing import deferred, parsed
+from deepco_server.rpc import behavior, is_refusal, on_pool, refusal, split_method
 
+# Probes and work are named, not derived: like control calls they are unary-unary, so a handler's streaming
+# flags cannot tell them apart. What sets them apart is who calls (orchestrators, without credentials, for
+# probes) and what a call costs (compute, an upload, a dial for work), which a handler does not say.
 PROBE_METHODS = frozenset({
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
     "/grpc.health.v1.Health/Check",
-})
-STREAM_METHODS = frozenset({
-    "/grpc.health.v1.Health/Watch",
-    "/deepco.DeepcoService/Run",
-    "/deepco.DeepcoService/ModnnRun",
-    "/deepco.DeepcoService/ModnnExchange",
 })
 WORK_METHODS = frozenset({
     "/inference.GRPCInferenceService/ModelInfer",
@@ -58,6 +57,7 @@ WORK_METHODS = frozenset({
     "/deepco.DeepcoService/Echo",
     "/deepco.DeepcoService/ProbePeer",  # holds a thread while it dials a peer: bounded like the rest
 })
+PROBE, STREAM, WORK, CONTROL = "probe", "stream", "work", "control"
 DEFAULT_IDLE_SECONDS = 120.0
 # Streams open at once (--max-streams): a device keeps about --depth Run streams per server open, MoDNN a
 # job's run plus one per feeding peer; a thread each (about 8 MB of address space, little memory).
@@ -70,6 +70,19 @@ CONTROL_THREADS = 4
 SWEEP_SECONDS = 0.5
 # Freed memory is given back to the system (server.memory) once no call (probes aside) arrived for this long.
 QUIET_SECONDS = 1.0
+
+
+def budget_class(handler: grpc.RpcMethodHandler, method: str) -> str:
+    """The class of calls (PROBE, STREAM, WORK or CONTROL) that ``handler`` of ``method`` belongs to.
+
+    A stream is any method streaming its request or its response (Health/Watch, Run, ModnnRun, ModnnExchange):
+    it holds a thread for as long as it is open, whatever it is called, hence its own budget.
+    """
+    if method in PROBE_METHODS:
+        return PROBE
+    if handler.request_streaming or handler.response_streaming:
+        return STREAM
+    return WORK if method in WORK_METHODS else CONTROL
 
 
 class CountingExecutor(futures.ThreadPoolExecutor):
@@ -260,9 +273,9 @@ class BudgetInterceptor(grpc.ServerInterceptor):
         if method in PROBE_METHODS:
             return on_pool(handler, self._probes)
         self._since = time.monotonic()
-        if is_refusal(handler):
+        if is_refusal(handler):  # the token check's: it reads nothing, and its streaming flags are not the method's
             return on_pool(handler, self._refusals)
-        lane = self._work if method in WORK_METHODS else self._streams if method in STREAM_METHODS else None
+        lane = {WORK: self._work, STREAM: self._streams}.get(budget_class(handler, method))
         if lane is None:
             if self.control_pool.queued >= self.max_queue:
                 return on_pool(refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -292,7 +305,7 @@ class BudgetInterceptor(grpc.ServerInterceptor):
         unary request the client cancels mid-way would otherwise skip it, and the slot would leak). Its
         deserializer, run by gRPC on its polling thread as the request arrives, only counts a unary request's
         bytes against the held-bytes budget (or drops them, over it); the message is parsed on this call's
-        own thread (server.rpc.Deferred).
+        own thread (server.parsing).
         """
         inner = behavior(handler)
         unary_request, response_streaming = not handler.request_streaming, handler.response_streaming
@@ -324,7 +337,7 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                                       f"{request.size} would pass the {self._held.limit} limit (--max-held-bytes; "
                                       f"{split_method(method)[1]} refused); retry later")
                 else:
-                    request = watched.reading(_parsed(requests)) if watched is not None else _parsed(requests)
+                    request = watched.reading(parsed(requests)) if watched is not None else parsed(requests)
                 if not response_streaming:
                     return inner(request, context)
                 return _released_after(inner(request, context), holding, watched)
@@ -340,15 +353,9 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def _parsed(requests: Iterator[Any]) -> Iterator[Any]:
-    """The messages of a request stream, parsed here if no interceptor before us did (server.rpc.Deferred)."""
-    for request in requests:
-        yield request.parse(request.data) if isinstance(request, Deferred) else request
-
-
 def _one(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
     """The one message of a unary request."""
-    for request in _parsed(requests):
+    for request in parsed(requests):
         return request
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{split_method(method)[1]} needs exactly one request message")
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import grpc
 from deepco_server.models import Registry
-from deepco_server.rpc import Deferred, behavior, rebuild, refusal, split_method
+from deepco_server.parsing import Malformed, checked_stream, model_of, tolerant
+from deepco_server.rpc import behavior, rebuild, refusal, split_method
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -47,8 +48,6 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from deepco.wire.tensors import TensorError
 
 rpc_log = logging.getLogger("deepco.serve.rpc")
 
@@ -156,65 +155,6 @@ class Metrics:
             self._http = None
 
 
-class _Malformed:
-    """What a request that does not parse deserializes to; the behaviour answers INVALID_ARGUMENT."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str):
-        self.message = message
-
-
-class MalformedRequest(TensorError):
-    """Raised inside a servicer that iterates a request stream holding a message that does not parse.
-
-    A TensorError, so the servicers' error handling already answers it INVALID_ARGUMENT with its message;
-    the interceptor makes sure of that status for servicers that let it escape.
-    """
-
-
-def _checked_stream(requests: Iterator[Any], seen: list[str], models: list[str | None]) -> Iterator[Any]:
-    """The messages of a request stream; a malformed one is remembered in ``seen`` and raises; the model
-    the first one names goes to ``models`` (server.budgets reads a unary request as a stream)."""
-    for request in requests:
-        if isinstance(request, Deferred):  # parsed here, on the call's thread (server.rpc.Deferred)
-            request = _tolerant(request.parse)(request.data)
-        if isinstance(request, _Malformed):
-            seen.append(request.message)
-            raise MalformedRequest(request.message)
-        if not models:
-            models.append(_model_of(request))
-        yield request
-
-
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """``deserializer``, but a parse failure yields a _Malformed instead of gRPC's INTERNAL
-    "Exception deserializing request!" (the client sent it: that is INVALID_ARGUMENT)."""
-    if deserializer is None:
-        return None
-    owner = getattr(deserializer, "__self__", None)
-    descriptor = getattr(owner, "DESCRIPTOR", None)
-    type_name = getattr(descriptor, "full_name", "the request message")
-
-    def parse(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except Exception as exc:
-            return _Malformed(f"malformed request: {len(data)} bytes do not parse as {type_name} "
-                              f"({type(exc).__name__})")
-
-    return parse
-
-
-def _model_of(request: Any) -> str | None:
-    """The model a request names, for the log line."""
-    for field in ("model_name", "name"):
-        value = getattr(request, field, None)
-        if isinstance(value, str) and value:
-            return value[:128]
-    return None
-
-
 def _code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
     """The status an RPC ended with: the one the servicer set, else UNKNOWN after an exception, else OK."""
     code = context.code()
@@ -266,8 +206,8 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         def admit(request: Any, context: grpc.ServicerContext, malformed: list[str], models: list[str | None]) -> Any:
             """The request (stream) to hand the servicer; a unary request that did not parse is refused."""
             if streaming_request:
-                return _checked_stream(request, malformed, models)
-            if isinstance(request, _Malformed):
+                return checked_stream(request, malformed, models)
+            if isinstance(request, Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return request
 
@@ -279,7 +219,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         if not handler.response_streaming:
             def serve(request: Any, context: grpc.ServicerContext) -> Any:
                 start()
-                failed, malformed, models = False, [], [] if streaming_request else [_model_of(request)]
+                failed, malformed, models = False, [], [] if streaming_request else [model_of(request)]
                 try:
                     return inner(admit(request, context, malformed, models), context)
                 except BaseException:
@@ -291,7 +231,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         else:
             def serve(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # type: ignore[misc]
                 start()
-                failed, malformed, models = False, [], [] if streaming_request else [_model_of(request)]
+                failed, malformed, models = False, [], [] if streaming_request else [model_of(request)]
                 code: grpc.StatusCode | None = None
                 try:
                     yield from inner(admit(request, context, malformed, models), context)
@@ -306,4 +246,4 @@ class ObservingInterceptor(grpc.ServerInterceptor):
                     finish(service, method, arrived, code or _code(context, failed), models[0] if models else None,
                            context)
 
-        return rebuild(handler, serve, request_deserializer=_tolerant(handler.request_deserializer))
+        return rebuild(handler, serve, request_deserializer=tolerant(handler.request_deserializer))

@@ -20,9 +20,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
-import grpc
 import onnx
-from deepco_server.errors import RequestError, invalid
+from deepco_server.errors import ResourceExhausted, invalid
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, shape_inference
 
@@ -110,10 +109,9 @@ def check_no_subgraphs(model: ModelProto, name: str) -> None:
     for graph in _graphs(model):
         for node in graph.node:
             if any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute):
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"model {name!r}: node {node.name[:80] or node.op_type!r} ({node.op_type}) has "
-                                   "subgraphs, whose memory this server cannot bound; it runs models without "
-                                   "control flow (If, Loop, Scan) only")
+                raise ResourceExhausted(f"model {name!r}: node {node.name[:80] or node.op_type!r} ({node.op_type}) has "
+                                        "subgraphs, whose memory this server cannot bound; it runs models without "
+                                        "control flow (If, Loop, Scan) only")
 
 
 def _skeleton(model: ModelProto) -> ModelProto:
@@ -188,11 +186,11 @@ class SizeBound:
                 while len(self._cache) > SHAPE_CACHE_SIZE:
                     self._cache.popitem(last=False)
         if isinstance(found, tuple):
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, found[1])
+            raise ResourceExhausted(found[1])
         if found > self.limit:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"model {self.name!r}: on inputs of shape {_shapes(key)} its tensors take up to {found} "
-                               f"bytes at once, over the per-request limit (--max-request-bytes) of {self.limit}")
+            raise ResourceExhausted(f"model {self.name!r}: on inputs of shape {_shapes(key)} its tensors take up to "
+                                    f"{found} bytes at once, over the per-request limit (--max-request-bytes) of "
+                                    f"{self.limit}")
         return found
 
     def _infer(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, str] | int:

@@ -1,7 +1,7 @@
 """Loaded models: ONNX Runtime sessions, their tensor signatures, and request validation.
 
-Every problem a client can cause raises :class:`RequestError` carrying the gRPC status code to answer
-with; the servicers translate it, so nothing here knows about gRPC contexts.
+Every problem a client can cause raises a :class:`~deepco_server.errors.ServerFault` naming its kind; the
+servicers map it to a gRPC status, so nothing here knows about gRPC.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 import onnxruntime as ort
-from deepco_server.errors import RequestError, invalid
+from deepco_server.errors import AlreadyExists, NotFound, ResourceExhausted, ServerFault, invalid
 from deepco_server.model_checks import (
     DEFAULT_MAX_REQUEST_BYTES,
     SizeBound,
@@ -326,24 +325,21 @@ class Registry:
 
     def _check_room(self, name: str, size: int) -> None:
         if len(self._models) >= self.max_models:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"cannot load model {name!r}: {len(self._models)} models are loaded, the limit "
-                               f"(--max-models) is {self.max_models}; unload one first")
+            raise ResourceExhausted(f"cannot load model {name!r}: {len(self._models)} models are loaded, the limit "
+                                    f"(--max-models) is {self.max_models}; unload one first")
         held = sum(h.model.size for h in self._models.values())
         if held + size > self.max_model_bytes:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"cannot load model {name!r} ({size} bytes): loaded models hold {held} bytes and "
-                               f"the limit (--max-model-bytes) is {self.max_model_bytes}; unload one first")
+            raise ResourceExhausted(f"cannot load model {name!r} ({size} bytes): loaded models hold {held} bytes and "
+                                    f"the limit (--max-model-bytes) is {self.max_model_bytes}; unload one first")
 
     def _same_or_refuse(self, holding: Holding, version: str, sha256: str) -> LoadedModel:
         """A load of a name already loaded: one more reference if it is the same file, else ALREADY_EXISTS."""
         model = holding.model
         if holding.sha256 != sha256 or model.version != version:
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"model {model.name!r} is already loaded (version {model.version}, sha256 "
-                               f"{holding.sha256[:16]}...) and a loaded name cannot be replaced: this upload "
-                               f"(version {version}, sha256 {sha256[:16]}...) differs; load it under another "
-                               "name, or unload the old one first")
+            raise AlreadyExists(f"model {model.name!r} is already loaded (version {model.version}, sha256 "
+                                f"{holding.sha256[:16]}...) and a loaded name cannot be replaced: this upload "
+                                f"(version {version}, sha256 {sha256[:16]}...) differs; load it under another "
+                                "name, or unload the old one first")
         holding.refs += 1
         holding.last_used = time.monotonic()
         return model
@@ -382,7 +378,7 @@ class Registry:
             session = self.runtime.session(model_bytes)
             # Reading the signature decodes names as UTF-8: a mutated file can fail here too (fuzzed).
             model = LoadedModel(name, version, session, len(model_bytes))
-        except RequestError:
+        except ServerFault:
             raise
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -408,7 +404,7 @@ class Registry:
             self._sweep()
             holding = self._models.get((owner, name))
             if holding is None:
-                raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded")
+                raise NotFound(f"model {name!r} is not loaded")
             holding.refs = 0 if force else holding.refs - 1
             if holding.refs > 0:
                 log.info("model %r (owner %r): one reference dropped, %d left", name, owner, holding.refs)
@@ -428,11 +424,10 @@ class Registry:
             loaded = sorted(n for o, n in self._models if o == owner)
         if holding is None:
             listing = ", ".join(repr(n) for n in loaded[:20]) or "none"
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded (loaded: {listing})")
+            raise NotFound(f"model {name!r} is not loaded (loaded: {listing})")
         model = holding.model
         if version and version != model.version:
-            raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"model {name!r} has no version {version[:40]!r} (loaded: {model.version})")
+            raise NotFound(f"model {name!r} has no version {version[:40]!r} (loaded: {model.version})")
         return model
 
     def all(self, owner: str | None = None) -> list[LoadedModel]:

@@ -30,7 +30,19 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from deepco_server.models import Registry, RequestError, invalid
+from deepco_server.dataplane import ServerState
+from deepco_server.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    Internal,
+    Kind,
+    PermissionDenied,
+    ResourceExhausted,
+    ServerFault,
+    invalid,
+)
+from deepco_server.models import Registry
 from deepco_server.security import is_loopback
 
 from deepco.parsing import split_address
@@ -90,8 +102,7 @@ class Mailboxes:
         box = self.boxes.get(job)
         if box is None:
             if len(self.boxes) >= self.max_mailboxes:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"MoDNN: {len(self.boxes)} job mailboxes open, the limit; retry later")
+                raise ResourceExhausted(f"MoDNN: {len(self.boxes)} job mailboxes open, the limit; retry later")
             box = self.boxes[job] = Mailbox(time.monotonic())
         return box
 
@@ -101,21 +112,18 @@ class Mailboxes:
         with self.cond:
             running = sum(b.claimed for b in self.boxes.values())
             if job in self.boxes and self.boxes[job].claimed or job in self.finished:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"MoDNN job {job!r} already ran here")
+                raise AlreadyExists(f"MoDNN job {job!r} already ran here")
             if running >= self.max_jobs:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"server busy: {running} MoDNN jobs already running (limit {self.max_jobs})")
+                raise ResourceExhausted(f"server busy: {running} MoDNN jobs already running (limit {self.max_jobs})")
             if self.threads is not None:
                 if threads > self.threads:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"MoDNN job {job!r} needs {threads} worker threads here (its run and "
-                                       f"{threads - 1} peers' streams), more than the {self.threads} this server "
-                                       "gives MoDNN; start it with a larger --max-inflight")
+                    raise ResourceExhausted(f"MoDNN job {job!r} needs {threads} worker threads here (its run and "
+                                            f"{threads - 1} peers' streams), more than the {self.threads} this server "
+                                            "gives MoDNN; start it with a larger --max-inflight")
                 held = sum(self._held.values())
                 if held + threads > self.threads:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"server busy: MoDNN jobs hold {held} of {self.threads} worker threads, "
-                                       f"this one needs {threads}")
+                    raise ResourceExhausted(f"server busy: MoDNN jobs hold {held} of {self.threads} worker threads, "
+                                            f"this one needs {threads}")
             box = self._box(job)
             box.claimed = True
             self._held[job] = threads
@@ -130,8 +138,7 @@ class Mailboxes:
             if (level, sender) in box.rows:
                 raise invalid(f"MoDNN job {job!r}: rows of level {level} from server {sender} sent twice")
             if self.bytes + array.nbytes > self.max_bytes:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"MoDNN: {self.bytes} bytes of peers' rows held, the limit is {self.max_bytes}")
+                raise ResourceExhausted(f"MoDNN: {self.bytes} bytes of peers' rows held, the limit is {self.max_bytes}")
             box.rows[(level, sender)] = (array, start)
             self.bytes += array.nbytes
             self.cond.notify_all()
@@ -167,17 +174,20 @@ class Outgoing:
         while (message := self.queue.get()) is not None:
             yield message
 
-    def error(self) -> RequestError | None:
+    def error(self) -> ServerFault | None:
         """The stream's failure, if it has failed, as the error to answer the job with."""
         if not self.future.done() or self.future.cancelled():
             return None
         exc = self.future.exception()
         if exc is None:
             return None
-        code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNKNOWN
-        details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-        status = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else code
-        return RequestError(status, f"cannot send rows to peer {self.peer} ({self.address}): {code.name}: {details}")
+        if isinstance(exc, grpc.RpcError):
+            status, details = exc.code().name, exc.details()
+        else:
+            status, details = Kind.UNKNOWN.name, str(exc)
+        # The job fails with the peer's own status (UNAVAILABLE, DEADLINE_EXCEEDED, ...): the device reads it.
+        kind = Kind.__members__.get(status, Kind.UNKNOWN)
+        return ServerFault(f"cannot send rows to peer {self.peer} ({self.address}): {status}: {details}", kind)
 
     def send(self, message: dpb.RowsMessage) -> None:
         """Queue a message (raising the stream's error if it already failed)."""
@@ -192,9 +202,8 @@ class Outgoing:
             self.future.result(timeout=timeout)
         except grpc.FutureTimeoutError:
             self.future.cancel()
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"peer {self.peer} ({self.address}) did not acknowledge its rows within "
-                               f"{timeout:g}s") from None
+            raise DeadlineExceeded(f"peer {self.peer} ({self.address}) did not acknowledge its rows within "
+                                   f"{timeout:g}s") from None
         except grpc.RpcError:
             pass
         if (err := self.error()) is not None:
@@ -333,23 +342,19 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
     # (a one-stage split with lookahead talks to none, so it needs no --peers).
     for k in sorted(talks_to):
         if not peer_allowed(peers[k], allowed_peers):
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"ModnnRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
-                               "it with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
+            raise PermissionDenied(f"ModnnRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
+                                   "it with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
     return result
 
 
 class ModnnService:
     """The MoDNN handlers of DeepcoService (wired in by server.service.DeepcoServicer)."""
 
-    def __init__(self, state, threads: int | None = None,
+    def __init__(self, state: ServerState, threads: int | None = None,
                  channel_factory: Callable[[str], grpc.Channel] | None = None):
-        # state: server.service.ServerState (not imported: it imports us). channel_factory opens the channel
-        # to a peer's address; the default is plain text, so a server whose peers require TLS or a token
-        # must pass a factory that secures the channel as its own clients are secured.
+        # channel_factory opens the channel to a peer's address; by default peers are dialled as this
+        # server's own clients are secured (TLS / mutual TLS / token): state.peer_security, from server.app.
         self.state = state
-        # Peers are dialled as this server's own clients are secured (TLS / mutual TLS / token): see
-        # server.app, which sets state.peer_security; read at dial time, so the setting always applies.
         self._open = channel_factory or (lambda address: make_channel(address, self.state.peer_security))
         self.mailboxes = Mailboxes(threads=threads)
         self._channels: dict[str, grpc.Channel] = {}
@@ -360,9 +365,8 @@ class ModnnService:
         if not address or len(address) > 256 or ":" not in address:
             raise invalid(f"peer address must be host:port, got {address[:64]!r}")
         if not peer_allowed(address, self.state.peers):  # the server's credentials go only to allowed peers
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"peer {address[:80]!r} is not an allowed peer of this server; start it with --peers "
-                               "listing its peers' host:port (loopback is always allowed)")
+            raise PermissionDenied(f"peer {address[:80]!r} is not an allowed peer of this server; start it with "
+                                   "--peers listing its peers' host:port (loopback is always allowed)")
         return self._stub(address)
 
     def _stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
@@ -389,8 +393,9 @@ class ModnnService:
             count += 1
         return dpb.ExchangeAck(messages=count)
 
-    def run(self, job: Job, context: grpc.ServicerContext) -> dpb.ModnnResult:
-        """Run a claimed job to its band of the last level (see the module doc)."""
+    def run(self, job: Job, active: Callable[[], bool]) -> dpb.ModnnResult:
+        """Run a claimed job to its band of the last level (see the module doc); ``active`` says whether the
+        client still waits for it (its waits end CANCELLED once not)."""
         result = dpb.ModnnResult()
         outgoing: dict[int, Outgoing] = {}
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
@@ -417,14 +422,13 @@ class ModnnService:
                     pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
                 waited = time.perf_counter()
                 for peer, rows in job.receives(level).items():
-                    pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, context, result)))
+                    pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, active, result)))
                 result.exchange_wait_seconds += time.perf_counter() - waited
                 pieces.sort(key=lambda p: p[0])
                 window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
                 if window.shape[2] != hi - lo:
-                    raise RequestError(grpc.StatusCode.INTERNAL,
-                                       f"MoDNN job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
-                                       f"expected [{lo}, {hi})")
+                    raise Internal(f"MoDNN job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
+                                   f"expected [{lo}, {hi})")
                 queued = time.perf_counter()
                 with self.state.admission.waiting(job.timeout):
                     started = time.perf_counter()
@@ -443,7 +447,7 @@ class ModnnService:
             elif job.gather_to != job.me:
                 self._send_band(job, band, outgoing, result, deadline_total)
             else:
-                result.output.CopyFrom(encode_rows(self._gather_and_finish(job, band, outgoing, result, context),
+                result.output.CopyFrom(encode_rows(self._gather_and_finish(job, band, outgoing, result, active),
                                                    0))
             for out in outgoing.values():
                 out.finish(job.timeout)
@@ -467,7 +471,7 @@ class ModnnService:
         result.bytes_sent += piece.nbytes
 
     def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
-                           result: dpb.ModnnResult, context: grpc.ServicerContext) -> np.ndarray:
+                           result: dpb.ModnnResult, active: Callable[[], bool]) -> np.ndarray:
         """Every peer's band of the last level, stitched with ours, through the tail model: the output."""
         last = len(job.models)
         pieces = [(job.bands[-1][job.me][0], band)]
@@ -475,7 +479,7 @@ class ModnnService:
         for peer in range(len(job.peers)):
             if peer != job.me:
                 rows = job.bands[-1][peer]
-                pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, context, result)))
+                pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result)))
         result.exchange_wait_seconds += time.perf_counter() - waited
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
@@ -492,11 +496,11 @@ class ModnnService:
         return np.ascontiguousarray(output)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
-              outgoing: dict[int, Outgoing], context: grpc.ServicerContext, result: dpb.ModnnResult) -> np.ndarray:
+              outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.ModnnResult) -> np.ndarray:
         """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
         the rows); counted in ``result``."""
         a, b = rows
-        array, start = self._wait(job, level, peer, outgoing, context)
+        array, start = self._wait(job, level, peer, outgoing, active)
         if start != a or array.shape[2] != b - a or array.shape[:2] != like.shape[:2] \
                 or array.shape[3] != like.shape[3]:
             raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
@@ -507,7 +511,7 @@ class ModnnService:
         return array
 
     def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
-              context: grpc.ServicerContext) -> tuple[np.ndarray, int]:
+              active: Callable[[], bool]) -> tuple[np.ndarray, int]:
         """The rows of ``level`` from ``peer``: DEADLINE_EXCEEDED naming it if they do not come in time;
         fails at once if the job is cancelled or one of our own streams to a peer broke."""
         until = time.monotonic() + job.timeout
@@ -515,12 +519,11 @@ class ModnnService:
             got = self.mailboxes.take(job.id, level, peer, POLL_SECONDS)
             if got is not None:
                 return got
-            if not context.is_active():
-                raise RequestError(grpc.StatusCode.CANCELLED, f"MoDNN job {job.id!r} cancelled")
+            if not active():
+                raise Cancelled(f"MoDNN job {job.id!r} cancelled")
             for out in outgoing.values():
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"MoDNN job {job.id!r}: no rows of level {level} from peer {peer} "
-                                   f"({job.peers[peer]}) within {job.timeout:g}s")
+                raise DeadlineExceeded(f"MoDNN job {job.id!r}: no rows of level {level} from peer {peer} "
+                                       f"({job.peers[peer]}) within {job.timeout:g}s")

@@ -77,32 +77,6 @@ def is_refusal(handler: grpc.RpcMethodHandler) -> bool:
     return bool(getattr(behavior(handler), _REFUSAL_ATTRIBUTE, False))
 
 
-class Deferred:
-    """A request message received but not parsed yet.
-
-    gRPC Python runs a method's request deserializer on its one polling thread, which also admits every new
-    call: parsing 8 MiB requests there made readiness probes wait behind them. server.budgets hands admitted
-    calls :func:`deferred` deserializers instead, and the message is parsed on the call's own thread by the
-    first reader (server.metrics.ObservingInterceptor, with its malformed-request handling).
-    """
-
-    __slots__ = ("data", "parse")
-
-    def __init__(self, data: bytes, parse: Callable[[bytes], Any]):
-        self.data, self.parse = data, parse
-
-
-def deferred(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """A deserializer that only wraps the bytes in a :class:`Deferred` (None stays None: raw bytes)."""
-    if deserializer is None:
-        return None
-
-    def defer(data: bytes) -> Deferred:
-        return Deferred(data, deserializer)
-
-    return defer
-
-
 def split_method(full: str) -> tuple[str, str]:
     """("inference.GRPCInferenceService", "ModelInfer") from "/inference.GRPCInferenceService/ModelInfer"."""
     service, _, method = full.lstrip("/").rpartition("/")

@@ -1,4 +1,9 @@
-"""The gRPC servicers: the Open Inference Protocol (inference.GRPCInferenceService) and DeepcoService."""
+"""The gRPC servicers: the Open Inference Protocol (inference.GRPCInferenceService) and DeepcoService.
+
+They translate the protocol: read a request, call the data plane (server.dataplane's state and admission,
+server.models' registry, server.modnn's jobs), build the response. What the data plane raises is a
+transport-free server.errors.ServerFault; :func:`status_of` is the one place that maps it to a gRPC status.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,17 @@ import contextlib
 import functools
 import logging
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from deepco_server.models import PLATFORM, Registry, RequestError, invalid, model_from_load_request
+from deepco_server.dataplane import ServerState
+from deepco_server.errors import ServerFault, Unavailable, invalid
+from deepco_server.models import PLATFORM, model_from_load_request
 from deepco_server.modnn import ModnnService, parse_request
 from deepco_server.security import client_identity
 from deepco_server.triton_extensions import (
-    EXTENSIONS,
-    Statistics,
     add_classification,
     classification_counts,
     model_config,
@@ -28,7 +32,6 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
-from deepco.wire.security import ChannelSecurity
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 
 log = logging.getLogger("deepco.serve")
@@ -46,50 +49,29 @@ RUN_QUEUE_SECONDS = 30.0
 R = TypeVar("R")
 
 
-class Admission:
-    """At most ``limit`` compute requests (ModelInfer, Profile) at once; the excess is refused at once.
+def status_of(exc: Exception) -> grpc.StatusCode | None:
+    """The gRPC status that answers a failure of the data plane, or None for one that is a bug of ours.
 
-    Refusing (RESOURCE_EXHAUSTED) rather than queueing keeps latency bounded and tells the device to try
-    another server, which is what a partitioned frame with a deadline wants.
+    A ServerFault's kind has the status's name (server.errors.Kind); a TensorError is a request whose
+    tensors do not decode, which the client sent.
     """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._slots = threading.BoundedSemaphore(limit)
-
-    def __enter__(self) -> Admission:
-        if not self._slots.acquire(blocking=False):
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server busy: {self.limit} inference requests already in flight "
-                               "(--max-inflight); retry later or elsewhere")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._slots.release()
-
-    @contextlib.contextmanager
-    def waiting(self, timeout: float) -> Iterator[None]:
-        """Like ``with admission:``, but wait up to ``timeout`` seconds for a slot (a pipelined slice)."""
-        if not self._slots.acquire(timeout=timeout):
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server busy: no compute slot free within {timeout:g}s (--max-inflight {self.limit})")
-        try:
-            yield
-        finally:
-            self._slots.release()
+    if isinstance(exc, ServerFault):
+        return grpc.StatusCode[exc.kind.name]
+    if isinstance(exc, TensorError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return None
 
 
 @contextlib.contextmanager
 def _answering(name: str, context: grpc.ServicerContext) -> Iterator[None]:
-    """Answer a RequestError/TensorError with its status code, and any other failure with INTERNAL."""
+    """Answer a data-plane failure with its status (:func:`status_of`), and any other failure with INTERNAL."""
     try:
         yield
-    except RequestError as exc:
-        context.abort(exc.code, str(exc))
-    except TensorError as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    except Exception as exc:  # a bug of ours: log it with its traceback, tell the client in one line
-        log.exception("%s failed", name)
+    except Exception as exc:
+        code = status_of(exc)
+        if code is not None:
+            context.abort(code, str(exc))
+        log.exception("%s failed", name)  # a bug of ours: with its traceback; the client gets one line
         context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
 
 
@@ -103,26 +85,6 @@ def _statuses(method: Callable[..., R]) -> Callable[..., R]:
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
-
-
-class ServerState:
-    """What the servicers share: the models, the admission limit, and whether we are draining."""
-
-    def __init__(self, registry: Registry, admission: Admission):
-        self.registry, self.admission = registry, admission
-        self.draining = threading.Event()
-        self.peer_security = ChannelSecurity()  # how to dial peer servers (MoDNN); server.app sets it
-        self.statistics = Statistics()  # Triton's statistics extension, per loaded model
-        self.peers: frozenset[str] = frozenset()  # MoDNN peers (host:port) allowed beyond loopback (--peers)
-
-    def extensions(self) -> list[str]:
-        """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
-        runtime = self.registry.runtime
-        registry = self.registry
-        return [*EXTENSIONS, "deepco_profile", f"deepco_device={runtime.device}",
-                f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
-                f"deepco_max_models={registry.max_models}", f"deepco_max_model_bytes={registry.max_model_bytes}",
-                f"deepco_max_inflight={self.admission.limit}"]
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -151,7 +113,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # The protocol answers "not ready" for a model it does not have, rather than an error.
         try:
             self.state.registry.get(request.name, request.version, client_identity(context))
-        except RequestError:
+        except ServerFault:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=not self.state.draining.is_set())
 
@@ -217,7 +179,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                             context: grpc.ServicerContext) -> pb.RepositoryModelLoadResponse:
         if self.state.draining.is_set():
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            raise Unavailable("server is shutting down")
         model_bytes, version = model_from_load_request(request.parameters)
         self.state.registry.load(request.model_name, version, model_bytes, client_identity(context))
         return pb.RepositoryModelLoadResponse()
@@ -305,8 +267,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
                 try:
                     stub.Echo(dpb.EchoRequest(payload=payload), timeout=PROBE_TIMEOUT)
                 except grpc.RpcError as exc:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                       f"ProbePeer: peer {request.peer} answered {exc.code().name}") from None
+                    raise Unavailable(f"ProbePeer: peer {request.peer} answered {exc.code().name}") from None
                 times.append(time.perf_counter() - start)
             return statistics.median(times)
 
@@ -317,13 +278,13 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         """MoDNN: this server's band of a frame, level by level with direct peer exchanges (server/modnn.py)."""
         with _answering("ModnnRun", context):
             if self.state.draining.is_set():
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+                raise Unavailable("server is shutting down")
             job = parse_request(request, self.state.registry, client_identity(context), self.state.peers)
             self.modnn.mailboxes.claim(job.id, job.threads)
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())
             with _answering("ModnnRun", context):
-                result = self.modnn.run(job, context)
+                result = self.modnn.run(job, context.is_active)
             yield dpb.RunEvent(modnn_result=result)
         finally:
             self.modnn.mailboxes.drop(job.id)

@@ -16,7 +16,8 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
-from deepco_server.models import PLATFORM, LoadedModel, invalid
+from deepco_server.errors import invalid
+from deepco_server.models import PLATFORM, LoadedModel
 
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.tensors import bytes_raw

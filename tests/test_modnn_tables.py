@@ -124,24 +124,23 @@ def test_segment_windows_are_checked():
 
 
 def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
-    import grpc
-    from deepco_server.models import RequestError
+    from deepco_server.errors import Kind, ServerFault
     from deepco_server.modnn import Mailboxes
 
     boxes = Mailboxes(max_jobs=1, max_mailboxes=2, max_bytes=64)
     rows = np.zeros((1, 1, 2, 4), np.float32)  # 32 bytes
     boxes.deliver("early", 0, 1, rows, 0)  # a peer's rows may come before the job starts here
     boxes.claim("early")
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFault) as info:
         boxes.claim("other")
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 MoDNN jobs already running" in str(info.value)
-    with pytest.raises(RequestError) as info:
+    assert info.value.kind is Kind.RESOURCE_EXHAUSTED and "1 MoDNN jobs already running" in str(info.value)
+    with pytest.raises(ServerFault) as info:
         boxes.deliver("early", 0, 1, rows, 0)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sent twice" in str(info.value)
+    assert info.value.kind is Kind.INVALID_ARGUMENT and "sent twice" in str(info.value)
     boxes.deliver("early", 1, 1, rows, 0)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFault) as info:
         boxes.deliver("early", 2, 1, rows, 0)  # 96 bytes > 64
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.kind is Kind.RESOURCE_EXHAUSTED
     got = boxes.take("early", 0, 1, timeout=0.01)
     assert got is not None and got[1] == 0 and boxes.bytes == 32
     assert boxes.take("early", 5, 1, timeout=0.01) is None  # never sent: the caller's deadline decides
@@ -149,29 +148,28 @@ def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
     assert boxes.bytes == 0 and not boxes.boxes
     boxes.deliver("early", 3, 1, rows, 0)  # late rows of a finished job are dropped
     assert not boxes.boxes
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFault) as info:
         boxes.claim("early")
-    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert info.value.kind is Kind.ALREADY_EXISTS
     boxes.deliver("a", 0, 0, rows, 0)
     boxes.deliver("b", 0, 0, rows, 0)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFault) as info:
         boxes.deliver("c", 0, 0, rows, 0)
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "mailboxes" in str(info.value)
+    assert info.value.kind is Kind.RESOURCE_EXHAUSTED and "mailboxes" in str(info.value)
 
 
 def test_mailboxes_admit_jobs_only_while_their_threads_fit():
-    import grpc
-    from deepco_server.models import RequestError
+    from deepco_server.errors import Kind, ServerFault
     from deepco_server.modnn import Mailboxes
 
     boxes = Mailboxes(max_jobs=4, threads=6)
     boxes.claim("a", 3)
     boxes.claim("b", 3)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFault) as info:
         boxes.claim("c", 1)
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "hold 6 of 6" in str(info.value)
+    assert info.value.kind is Kind.RESOURCE_EXHAUSTED and "hold 6 of 6" in str(info.value)
     boxes.drop("a")
     boxes.claim("c", 3)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFault) as info:
         Mailboxes(threads=6).claim("huge", 7)
     assert "--max-inflight" in str(info.value)

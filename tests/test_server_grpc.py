@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from deepco_server.app import ServeConfig, Server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_server_support import HEAVY_SHAPE, conv_model, heavy_model, reference
+from test_server_support import conv_model, reference
 
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
@@ -206,58 +206,86 @@ def test_profile_measures_the_loaded_model(client: InferenceClient) -> None:
     assert code == INVALID and "runs must be <= 1000" in msg
 
 
-def test_concurrent_clients_get_their_own_answers(client: InferenceClient) -> None:
+def test_concurrent_clients_get_their_own_answers(server: Server, client: InferenceClient) -> None:
     inputs = [_x(1, 3, 10 + i, 12, seed=i) for i in range(8)]
     answers: list[np.ndarray | None] = [None] * len(inputs)
+    errors: list[BaseException] = []
+    # 8 threads, at most as many calls in flight as the server has compute slots: none may be refused. (The
+    # server frees a slot before it answers, so a thread's next call never finds its own slot still taken.)
+    slots = threading.Semaphore(server.state.admission.limit)
+    start = threading.Barrier(len(inputs))
 
     def work(i: int) -> None:
-        for _ in range(3):
-            try:
+        try:
+            start.wait(timeout=30)
+            with slots:
                 answers[i] = client.infer("conv", inputs[i])
-                return
-            except ServerError as exc:  # 8 threads, 4 slots: a refusal is allowed, then retry
-                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                time.sleep(0.05)
+        except BaseException as exc:  # reported by the test thread below
+            errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=60)
+    assert not errors, errors
     for x, y in zip(inputs, answers, strict=True):
         assert y is not None
         np.testing.assert_allclose(y, reference(MODEL, x), rtol=0, atol=1e-5)
 
 
+class _GatedSession:
+    """An ORT session whose runs wait for ``release`` (with a deadline), so a test decides how long a request
+    holds its compute slot; ``entered`` is set once a run holds it."""
+
+    def __init__(self, session: object, timeout: float = 60.0):
+        self._session, self._timeout = session, timeout
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def run(self, *args: object, **kwargs: object) -> object:
+        self.entered.set()
+        if not self.release.wait(self._timeout):
+            raise AssertionError("the test never released the gated run")
+        return self._session.run(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._session, name)
+
+
 def test_in_flight_bound_refuses_the_excess_and_keeps_control_rpcs_answering() -> None:
-    big = heavy_model()
     srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_inflight=1))
+    gate: _GatedSession | None = None
     try:
         with InferenceClient(srv.address) as c:
-            c.load_model(big, "big")
+            c.load_model(MODEL, "slow")
             c.load_model(MODEL, "conv")
-            c.model_metadata("big")
-            slow = _x(*HEAVY_SHAPE)
+            loaded = srv.state.registry.get("slow")
+            gate = loaded.session = _GatedSession(loaded.session)
+            held = _x(1, 3, 16, 16)
             outcome: dict[str, object] = {}
 
             def run_slow() -> None:
-                outcome["y"] = c.infer("big", slow)
+                outcome["y"] = c.infer("slow", held)
                 outcome["done"] = time.perf_counter()
 
             worker = threading.Thread(target=run_slow)
             worker.start()
-            time.sleep(0.3)  # the slow request has surely reached the server and holds the only slot
+            assert gate.entered.wait(30), "the held request never reached its compute slot"
             code, msg = _status(c.infer, "conv", _x(1, 3, 8, 8))
             refused_at = time.perf_counter()
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight" in msg
             assert _status(c.profile, "conv", [1, 3, 8, 8])[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert c.server_ready() and c.model_ready("conv")  # control RPCs still answered
+            assert "done" not in outcome  # the refusals happened while the held request ran
+            gate.release.set()
             worker.join(timeout=60)
-            assert outcome["done"] > refused_at  # the refusals happened while the slow request ran
-            np.testing.assert_allclose(outcome["y"], reference(big, slow), rtol=0, atol=1e-4)
+            assert outcome["done"] > refused_at
+            np.testing.assert_allclose(outcome["y"], reference(MODEL, held), rtol=0, atol=1e-5)
             x = _x(1, 3, 8, 8)  # and once the slot is free, requests are served again
             np.testing.assert_allclose(c.infer("conv", x), reference(MODEL, x), rtol=0, atol=1e-5)
     finally:
+        if gate is not None:
+            gate.release.set()  # a failed assertion must not leave the held run waiting out its deadline
         srv.stop(grace=1)
 
 
@@ -270,3 +298,48 @@ def test_stop_drains_and_reports_not_ready() -> None:
         assert not c.server_ready() and not c.model_ready("conv")
         srv.stop(grace=1)
         assert _status(c.server_live)[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_budget_classes_follow_each_handlers_streaming_flags() -> None:
+    """The stream budget is derived from the handlers' flags; it must give exactly the streams named before."""
+    from deepco_server.budgets import CONTROL, PROBE, STREAM, WORK, budget_class
+    from deepco_server.service import DeepcoServicer, InferenceServicer
+    from grpc_health.v1 import health
+
+    from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
+
+    class Capture:  # what the generated add_*_to_server functions register, by full method name
+        def __init__(self) -> None:
+            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            self.handlers.update({f"/{service}/{name}": h for name, h in handlers.items()})
+
+    capture = Capture()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer.__new__(InferenceServicer), capture)
+    dpb_grpc.add_DeepcoServiceServicer_to_server(DeepcoServicer.__new__(DeepcoServicer), capture)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), capture)
+    classes: dict[str, set[str]] = {}
+    for method, handler in capture.handlers.items():
+        classes.setdefault(budget_class(handler, method), set()).add(method.rpartition("/")[2])
+    assert classes[STREAM] == {"Watch", "Run", "ModnnRun", "ModnnExchange"}
+    assert classes[PROBE] == {"ServerLive", "ServerReady", "Check"}
+    assert classes[WORK] == {"ModelInfer", "RepositoryModelLoad", "Profile", "Echo", "ProbePeer"}
+    assert classes[CONTROL] == {"ServerMetadata", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics",
+                                "RepositoryIndex", "RepositoryModelUnload"}
+
+
+def test_every_fault_kind_maps_to_the_grpc_status_of_its_name() -> None:
+    from deepco_server.errors import Kind, NotFound, ServerFault, invalid
+    from deepco_server.service import status_of
+
+    from deepco.wire.tensors import TensorError
+
+    for kind in Kind:
+        assert status_of(ServerFault("x", kind)) == grpc.StatusCode[kind.name]
+    assert status_of(NotFound("x")) == grpc.StatusCode.NOT_FOUND and status_of(invalid("x")) == INVALID
+    assert status_of(TensorError("x")) == INVALID
+    assert status_of(ValueError("x")) is None  # a bug of ours: answered INTERNAL, with a logged traceback

@@ -7,36 +7,18 @@ import json
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 from deepco_server.app import ServeConfig, Server
-from prometheus_client.parser import text_string_to_metric_families
-from test_server_support import conv_model, serve_process
+from test_server_support import conv_model, metric_sum, scrape, serve_process, wait_until
 
 from deepco.wire.client import InferenceClient, ServerError
 
 MODEL = conv_model(channels=(3, 4))
 SERVICE = "inference.GRPCInferenceService"
-
-
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of http://127.0.0.1:port/metrics, by (name, sorted labels)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        assert reply.status == 200
-        text = reply.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def _sum(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
 def test_metrics_count_inferences_failures_and_latency() -> None:
@@ -59,27 +41,27 @@ def test_metrics_count_inferences_failures_and_latency() -> None:
             with pytest.raises(grpc.RpcError) as info:
                 raw(b"", timeout=10)
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        samples = _scrape(srv.metrics_port)
+        samples = scrape(srv.metrics_port)
     finally:
         srv.stop(grace=1)
     infer = {"service": SERVICE, "method": "ModelInfer"}
-    assert _sum(samples, "deepco_grpc_requests_total", **infer, code="OK") == n
-    assert _sum(samples, "deepco_grpc_requests_total", **infer, code="NOT_FOUND") == 2
-    assert _sum(samples, "deepco_grpc_requests_total", **infer, code="INVALID_ARGUMENT") == 3
-    assert _sum(samples, "deepco_grpc_errors_total", **infer) == m
-    assert _sum(samples, "deepco_grpc_errors_total", **infer, code="OK") == 0
-    assert _sum(samples, "deepco_grpc_request_seconds_count", **infer) == n + m
-    assert _sum(samples, "deepco_grpc_request_seconds_bucket", **infer, le="+Inf") == n + m
-    assert 0 < _sum(samples, "deepco_grpc_request_seconds_sum", **infer) < 30
+    assert metric_sum(samples, "deepco_grpc_requests_total", **infer, code="OK") == n
+    assert metric_sum(samples, "deepco_grpc_requests_total", **infer, code="NOT_FOUND") == 2
+    assert metric_sum(samples, "deepco_grpc_requests_total", **infer, code="INVALID_ARGUMENT") == 3
+    assert metric_sum(samples, "deepco_grpc_errors_total", **infer) == m
+    assert metric_sum(samples, "deepco_grpc_errors_total", **infer, code="OK") == 0
+    assert metric_sum(samples, "deepco_grpc_request_seconds_count", **infer) == n + m
+    assert metric_sum(samples, "deepco_grpc_request_seconds_bucket", **infer, le="+Inf") == n + m
+    assert 0 < metric_sum(samples, "deepco_grpc_request_seconds_sum", **infer) < 30
     load = {"service": SERVICE, "method": "RepositoryModelLoad"}
-    assert _sum(samples, "deepco_grpc_requests_total", **load, code="OK") == 1
-    assert _sum(samples, "deepco_grpc_requests_total", method="unknown", code="UNIMPLEMENTED") == 1
-    assert _sum(samples, "deepco_models_loaded") == 1
-    assert _sum(samples, "deepco_model_bytes", model="conv") == len(MODEL)
-    assert _sum(samples, "deepco_model_bytes_total") == len(MODEL)
-    assert _sum(samples, "deepco_model_bytes_limit") == 1 << 30
-    assert _sum(samples, "deepco_grpc_queued") == 0
-    assert _sum(samples, "deepco_grpc_inflight") == 0  # the scrape is HTTP, not an RPC
+    assert metric_sum(samples, "deepco_grpc_requests_total", **load, code="OK") == 1
+    assert metric_sum(samples, "deepco_grpc_requests_total", method="unknown", code="UNIMPLEMENTED") == 1
+    assert metric_sum(samples, "deepco_models_loaded") == 1
+    assert metric_sum(samples, "deepco_model_bytes", model="conv") == len(MODEL)
+    assert metric_sum(samples, "deepco_model_bytes_total") == len(MODEL)
+    assert metric_sum(samples, "deepco_model_bytes_limit") == 1 << 30
+    assert metric_sum(samples, "deepco_grpc_queued") == 0
+    assert metric_sum(samples, "deepco_grpc_inflight") == 0  # the scrape is HTTP, not an RPC
 
 
 def test_json_logs_and_metrics_endpoint_of_the_cli() -> None:
@@ -102,8 +84,8 @@ def test_json_logs_and_metrics_endpoint_of_the_cli() -> None:
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", infers[0]["ts"])
         url = next(re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line["msg"]) for line in lines
                    if line["event"] == "log" and "/metrics" in line["msg"])
-        samples = _scrape(int(url.group(1)))
-        assert _sum(samples, "deepco_grpc_requests_total", method="ModelInfer") == 2
+        samples = scrape(int(url.group(1)))
+        assert metric_sum(samples, "deepco_grpc_requests_total", method="ModelInfer") == 2
 
 
 def test_stream_budget_refuses_the_excess_at_once_and_control_calls_still_answer() -> None:
@@ -123,20 +105,19 @@ def test_stream_budget_refuses_the_excess_at_once_and_control_calls_still_answer
             exchange = channel.stream_unary("/deepco.DeepcoService/ModnnExchange")
             live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
             holders = [exchange.future(held_stream(), timeout=30) for _ in range(3)]
-            deadline = time.monotonic() + 10
-            while _sum(_scrape(srv.metrics_port), "deepco_grpc_inflight") < 3 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert _sum(_scrape(srv.metrics_port), "deepco_grpc_inflight") == 3
+            wait_until(lambda: metric_sum(scrape(srv.metrics_port), "deepco_grpc_inflight") >= 3, 10,
+                       "3 streams in flight")
+            assert metric_sum(scrape(srv.metrics_port), "deepco_grpc_inflight") == 3
             start = time.perf_counter()
             with pytest.raises(grpc.RpcError) as info:
                 exchange(held_stream(), timeout=10)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "stream" in info.value.details()
             assert time.perf_counter() - start < 2  # refused at once, not after a stream ended
             live(b"", timeout=2)  # control calls still find a thread
-            assert _sum(_scrape(srv.metrics_port), "deepco_grpc_queued") == 0
-            samples = _scrape(srv.metrics_port)
+            assert metric_sum(scrape(srv.metrics_port), "deepco_grpc_queued") == 0
+            samples = scrape(srv.metrics_port)
             assert any(n == "deepco_request_bytes_held" for n, _ in samples)
-            assert _sum(samples, "deepco_request_bytes_held") == 0  # streamed messages are not counted
+            assert metric_sum(samples, "deepco_request_bytes_held") == 0  # streamed messages are not counted
             release.set()
             for f in holders:
                 with contextlib.suppress(grpc.RpcError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -17,11 +18,15 @@ import tritonclient.grpc as tc
 from test_server_support import (
     HEAVY_SHAPE,
     ROOT,
+    ServeProcess,
     child_env,
     conv_model,
     heavy_model,
+    metric_sum,
     reference,
+    scrape,
     serve_process,
+    wait_until,
 )
 from tritonclient.utils import InferenceServerException
 
@@ -82,10 +87,36 @@ def test_tritonclient_loads_checks_and_infers_like_local_ort() -> None:
         assert server.sigterm() == 0
 
 
+def _metrics_port(server: ServeProcess) -> int:
+    """The /metrics port a server started with ``--metrics-port 0`` logged (its start-up line)."""
+    found: list[int] = []
+
+    def logged() -> bool:
+        found.extend(int(m.group(1)) for line in list(server.stderr_lines)
+                     if (m := re.search(r"metrics http://[^ ]+:(\d+)/metrics", line)))
+        return bool(found)
+
+    wait_until(logged, 30, "the server logs its metrics address")
+    return found[0]
+
+
+def _refused(address: str) -> bool:
+    """Whether a new call to ``address`` is refused UNAVAILABLE now (a server that drains takes none)."""
+    try:
+        with InferenceClient(address, timeout=2) as probe:
+            probe.server_live()
+    except ServerError as exc:
+        # A call that arrives while gRPC starts its shutdown is CANCELLED: not yet the drained state; ask again.
+        assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
+        return exc.code == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_sigterm_finishes_in_flight_request_then_exits_zero() -> None:
     model = heavy_model()
     x = np.random.default_rng(3).standard_normal(HEAVY_SHAPE).astype(np.float32)
-    with serve_process("--threads", "1") as server:
+    with serve_process("--threads", "1", "--metrics-port", "0") as server:
+        metrics_port = _metrics_port(server)
         client = InferenceClient(server.address)
         client.load_model(model, "big")
         client.model_metadata("big")
@@ -100,14 +131,15 @@ def test_sigterm_finishes_in_flight_request_then_exits_zero() -> None:
 
         worker = threading.Thread(target=call)
         worker.start()
-        time.sleep(0.3)  # the request is running on the server now (it takes about a second)
+        # The server counts the call in flight once it runs on a worker thread (scrapes are HTTP, not RPCs).
+        wait_until(lambda: metric_sum(scrape(metrics_port), "deepco_grpc_inflight") >= 1, 30,
+                   "the request runs on the server")
         server.proc.send_signal(signal.SIGTERM)
         signalled = time.perf_counter()
-        time.sleep(0.1)
-        with pytest.raises(ServerError) as refused:  # draining: new requests are no longer accepted
-            InferenceClient(server.address, timeout=2).server_live()
-        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-        assert server.proc.poll() is None and "done" not in result  # ... while the old one still runs
+        wait_until(lambda: _refused(server.address), 30, "draining: new requests are no longer accepted")
+        # ... while the old one still runs: the server still counts it in flight, and it has not answered
+        assert metric_sum(scrape(metrics_port), "deepco_grpc_inflight") == 1
+        assert server.proc.poll() is None and "done" not in result
         worker.join(timeout=60)
         code = server.proc.wait(timeout=60)
         assert "error" not in result, result.get("error")

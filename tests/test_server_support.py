@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,6 +108,32 @@ def stalled_upload(channel: grpc.Channel, until: threading.Event, timeout: float
         return grpc.StatusCode.OK
     except grpc.RpcError as exc:
         return exc.code()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Return once ``condition()`` holds; fail the test naming ``what`` if it does not within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(0.01)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of http://127.0.0.1:port/metrics, by (name, sorted labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def metric_sum(samples: dict, name: str, **labels: str) -> float:
+    """The sum of the samples of metric ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
 def child_env() -> dict[str, str]:
