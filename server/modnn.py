@@ -52,6 +52,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.security import make_channel
+from deepco.wire.split_jobs import gatherer, to_rows
 from deepco.wire.tensors import TensorError
 
 MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
@@ -318,17 +319,17 @@ def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = ""
         what = "needs the window" if request.lookahead else "owns"
         raise invalid(f"ModnnRun: input holds rows [{start}, {start + image.shape[2]}) of the image, but server "
                       f"{me} {what} [{a}, {b})")
-    gather_to, tail = None, None
-    if request.gather_to:
-        if request.gather_to > len(peers):
-            raise invalid(f"ModnnRun: gather_to {request.gather_to} is not 1 + an index of the {len(peers)} peers")
-        gather_to = request.gather_to - 1
-        if gather_to == me:
-            if not request.tail_model:
-                raise invalid("ModnnRun: gather_to names this server but no tail_model is given")
-            tail = registry.get(request.tail_model, owner=owner)
-            if len(tail.inputs) != 1:
-                raise invalid(f"ModnnRun: tail model {tail.name!r} must have one input")
+    tail = None
+    try:
+        gather_to = gatherer(request.gather_to, len(peers))
+    except ValueError as exc:
+        raise invalid(f"ModnnRun: {exc}") from None
+    if gather_to == me:
+        if not request.tail_model:
+            raise invalid("ModnnRun: gather_to names this server but no tail_model is given")
+        tail = registry.get(request.tail_model, owner=owner)
+        if len(tail.inputs) != 1:
+            raise invalid(f"ModnnRun: tail model {tail.name!r} must have one input")
     result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
                  tail)
     talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
@@ -491,9 +492,10 @@ class ModnnService:
             output = tail.run({tail.inputs[0].name: whole}, [tail.outputs[0].name])[tail.outputs[0].name]
             result.compute_seconds += time.perf_counter() - started
         result.queue_seconds += started - queued
-        if output.ndim != 4:  # Rows carry NCHW; a classifier's (1, classes) output travels as (1, classes, 1, 1)
-            output = output.reshape(*output.shape, *([1] * (4 - output.ndim)))
-        return np.ascontiguousarray(output)
+        try:
+            return np.ascontiguousarray(to_rows(output))
+        except ValueError as exc:
+            raise invalid(f"ModnnRun: the tail's output: {exc}") from None
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
               outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.ModnnResult) -> np.ndarray:
