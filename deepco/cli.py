@@ -31,7 +31,7 @@ COMMANDS = {
     "serve": ("deepco_server.cli",
               "serve ONNX models over the Open Inference Protocol (KServe v2 / Triton gRPC)"),
     "run": ("deepco_device.run_command",
-            "the device: stream a camera/video/images through the servers with a THREAD plan"),
+            "the device: stream a camera/video/images through the servers on a measured plan (auto by default)"),
     "bench": ("deepco_bench.bench_command",
               "measured latency of THREAD vs MoDNN and baselines on an emulated edge network (tc, cgroups)"),
     "demo": ("deepco_bench.demo",

@@ -5,7 +5,7 @@ server only its own band (no halo); MoDNN-SA sends them all over the fastest ant
 servers over the antennas as deepco.planning.baselines.modnn_ma does (the paper's footnote vii). The
 servers then run the head segment by segment (deepco.partition.segments: one segment per cut, i.e. per
 residual block for a ResNet) and, before each segment, exchange the boundary rows their neighbours need
-directly with each other over gRPC streams (server/modnn.py); the device relays nothing. Each returns its
+directly with each other over gRPC streams (server/split_jobs.py); the device relays nothing. Each returns its
 band of the cut tensor; the device concatenates the bands (disjoint: no crop) and runs the tail.
 
     dev = Device(cluster, "resnet18", 224, 224, cut="layer2"); dev.setup()   # measure, upload THREAD's head
@@ -30,9 +30,9 @@ from deepco_device.staged import StagedRunner
 
 from deepco.errors import UserError
 from deepco.partition import Segment
+from deepco.planning.bands import ownership as ownership_tables
+from deepco.planning.bands import receives, sends
 from deepco.planning.baselines import modnn_ma, modnn_sa
-from deepco.planning.modnn import ownership as ownership_tables
-from deepco.planning.modnn import receives, sends
 from deepco.planning.rows import Node, abstract_instance, association
 from deepco.planning.staged import StagedPlan
 from deepco.wire import deepco_service_pb2 as dpb
@@ -152,8 +152,8 @@ class ModnnRunner:
         return [{(s, r): iv for s in range(len(self.rates)) for r, iv in sends(self.bands, rows, j, s).items()}
                 for j in range(len(self.segments))]
 
-    def request(self, job: str, server: int, x: np.ndarray) -> dpb.ModnnRequest:
-        """The ModnnRequest for ``server``: its own band of the image and every level's tables."""
+    def request(self, job: str, server: int, x: np.ndarray) -> dpb.SplitRequest:
+        """The SplitRequest for ``server``: its own band of the image and every level's tables."""
         return self.staged.request(job, server, x)
 
     # ---- running --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Every plan runs here: auto's, local, offload, the paper's (deepco.planning.paper
     output, timing = runner.run_frame(px)                          # px: 1x3xHxW uint8 pixels
     for result in runner.run_frames(frames, depth=2): ...          # pipelined, with failover
 
-A split plan runs as one ModnnRun job per participant (server/modnn.py): the device sends each participant
+A split plan runs as one SplitRun job per participant (server/split_jobs.py): the device sends each participant
 its input (the window of the image for segment 1 with lookahead, else its band) over its antenna, in the
 plan's order; the servers run their segments, exchange halo rows directly, and either return their bands
 (the device stitches them and runs the tail) or send them to the participant that runs the tail, which
@@ -41,8 +41,8 @@ from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult
 
 from deepco.errors import UserError
+from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.calibration import Timed, choose, fidelity, fit, with_compute_scale
-from deepco.planning.modnn import NOT_A_SERVER
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
     DEVICE,
@@ -515,19 +515,19 @@ class StagedRunner:
                             "queue": queued, "server": server}
         return self._split_frame(x, start)
 
-    def request(self, job: str, i: int, x: np.ndarray) -> dpb.ModnnRequest:
-        """The ModnnRequest of participant ``i`` for frame ``x`` under job id ``job``."""
+    def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
+        """The SplitRequest of participant ``i`` for frame ``x`` under job id ``job``."""
         plan = self.plan
         levels = []
         for j in range(len(plan.bands)):
-            level = dpb.ModnnLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in plan.bands[j]])
+            level = dpb.SplitLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in plan.bands[j]])
             if j:
                 level.window.extend(dpb.RowRange(start=a, stop=b) for a, b in plan.windows[j])
                 level.crop.extend(plan.crops[j])
             levels.append(level)
         a, b = plan.windows[0][i]
         gather = plan.servers.index(plan.tail) + 1 if plan.tail else 0
-        return dpb.ModnnRequest(job_id=job, segment_models=self.segment_names, server_index=i, peers=self.peers,
+        return dpb.SplitRequest(job_id=job, segment_models=self.segment_names, server_index=i, peers=self.peers,
                                 levels=levels, input=encode_rows(np.ascontiguousarray(x[:, :, a:b, :]), a),
                                 exchange_timeout_seconds=self.exchange_timeout, lookahead=plan.lookahead,
                                 gather_to=gather, tail_model=self.tail_name if gather == i + 1 else "")
@@ -558,14 +558,14 @@ class StagedRunner:
                 began = time.perf_counter()
                 send_start[i] = began - start
                 try:
-                    events = client.deepco.ModnnRun(self.request(job, i, x), timeout=self.timeout)
+                    events = client.deepco.SplitRun(self.request(job, i, x), timeout=self.timeout)
                     self._inflight.add(events, plan.servers[i])
                     calls.callback(self._inflight.discard, events)
                     with lock:
                         streams[i] = events
                     first = next(events)
                     if first.WhichOneof("event") != "received":
-                        raise WrongAnswer(client.address, "ModnnRun answered out of order")
+                        raise WrongAnswer(client.address, "SplitRun answered out of order")
                 except grpc.RpcError as exc:
                     failure.append(ServerError(client.address, exc.code(), exc.details() or ""))
                     return
@@ -589,7 +589,7 @@ class StagedRunner:
         for t in threads:
             t.join()
         sent = time.perf_counter() - start
-        results: dict[int, tuple[dpb.ModnnResult, float]] = {}
+        results: dict[int, tuple[dpb.SplitResult, float]] = {}
         own_band = None
         if DEVICE in plan.servers and not failure:  # the device's band, while the servers compute theirs
             i = plan.servers.index(DEVICE)
@@ -598,9 +598,9 @@ class StagedRunner:
             y = self.own.run(None, {self.own_input: np.ascontiguousarray(x[:, :, lo:hi, :])})[0]
             crop = plan.crops[1][i]
             own_band = y[:, :, crop:crop + b - a]
-            results[i] = (dpb.ModnnResult(compute_seconds=time.perf_counter() - began), time.perf_counter() - start)
+            results[i] = (dpb.SplitResult(compute_seconds=time.perf_counter() - began), time.perf_counter() - start)
 
-        def collect(i: int) -> tuple[dpb.ModnnResult, float]:
+        def collect(i: int) -> tuple[dpb.SplitResult, float]:
             client = dev.client(self.index[plan.servers[i]], plan.antennas[i])
             try:
                 event = next(streams[i])
@@ -608,9 +608,9 @@ class StagedRunner:
                 raise ServerError(client.address, exc.code(), exc.details() or "") from None
             except StopIteration:
                 raise ServerError(client.address, grpc.StatusCode.INTERNAL, "job ended without a result") from None
-            if event.WhichOneof("event") != "modnn_result":
-                raise WrongAnswer(client.address, "ModnnRun answered out of order")
-            return event.modnn_result, time.perf_counter() - start
+            if event.WhichOneof("event") != "split_result":
+                raise WrongAnswer(client.address, "SplitRun answered out of order")
+            return event.split_result, time.perf_counter() - start
 
         try:
             if crashed:

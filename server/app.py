@@ -67,10 +67,10 @@ class ServeConfig:
     log_format: str = "text"  # "text" or "json" (one object per line, with one line per RPC)
     model_lease: float = DEFAULT_MODEL_LEASE  # seconds an unused uploaded model stays loaded; 0: forever
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # tensors of one request together (shape inference)
-    peers: tuple[str, ...] = ()  # MoDNN peers (host:port) this server may dial besides loopback ones
+    peers: tuple[str, ...] = ()  # split-job peers (host:port) this server may dial besides loopback ones
     metrics_token: str | None = None  # required as 'Authorization: Bearer' on /metrics
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
-    max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, ModnnRun, ModnnExchange, Health/Watch) open at once
+    max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, SplitRun, SplitExchange, Health/Watch) open at once
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # request bytes admitted calls hold at once
 
     def __post_init__(self) -> None:
@@ -214,7 +214,7 @@ def serve(config: ServeConfig) -> int:
              "max in-flight %d", server.runtime.provider, server.runtime.device, config.device,
              config.threads or "ORT default", config.max_models, config.max_inflight)
     log.info("TLS %s, token %s, max model bytes %d, max request bytes %d, model lease %s, max queue %d, "
-             "max held bytes %d, MoDNN peers %s, metrics %s",
+             "max held bytes %d, split-job peers %s, metrics %s",
              ("mutual" if config.security.ca else "on") if config.security.tls else "off",
              "required" if config.security.token else "off", config.max_model_bytes, config.max_request_bytes,
              f"{config.model_lease:g}s" if config.model_lease else "off", server.max_queue, config.max_held_bytes,

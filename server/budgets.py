@@ -3,7 +3,7 @@
 gRPC Python's synchronous server runs every call on a thread of a pool, for as long as the call lasts, and
 reads a unary request on that thread before the handler sees it. Two floods broke readiness before:
 
-- any eight open streams (an idle ``Health/Watch``, an idle ``ModnnExchange``, a ``Run`` whose result is never
+- any eight open streams (an idle ``Health/Watch``, an idle ``SplitExchange``, a ``Run`` whose result is never
   read) took every thread of the one pool, and nothing was answered, ServerReady included;
 - 200 clients sending 8 MiB ModelInfer requests: gRPC's own limit of calls at once
   (``maximum_concurrent_rpcs``) refused ServerReady along with the excess, and the calls it admitted read
@@ -15,7 +15,7 @@ interceptors on its polling thread), and runs each class of call on its own pool
 ``experimental_thread_pool``):
 
 - *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused;
-- *streams* (every method streaming its request or its response: Health/Watch, Run, ModnnRun, ModnnExchange):
+- *streams* (every method streaming its request or its response: Health/Watch, Run, SplitRun, SplitExchange):
   at most ``stream_slots`` at once, a thread each; one that sees no message read or written for
   ``idle_seconds`` is cancelled, which frees its thread;
 - *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
@@ -59,7 +59,7 @@ WORK_METHODS = frozenset({
 })
 PROBE, STREAM, WORK, CONTROL = "probe", "stream", "work", "control"
 DEFAULT_IDLE_SECONDS = 120.0
-# Streams open at once (--max-streams): a device keeps about --depth Run streams per server open, MoDNN a
+# Streams open at once (--max-streams): a device keeps about --depth Run streams per server open, a split job a
 # job's run plus one per feeding peer; a thread each (about 8 MB of address space, little memory).
 DEFAULT_MAX_STREAMS = 16
 # Request bytes held at once by admitted calls (--max-held-bytes): a device's frame slices are a few MiB.
@@ -75,7 +75,7 @@ QUIET_SECONDS = 1.0
 def budget_class(handler: grpc.RpcMethodHandler, method: str) -> str:
     """The class of calls (PROBE, STREAM, WORK or CONTROL) that ``handler`` of ``method`` belongs to.
 
-    A stream is any method streaming its request or its response (Health/Watch, Run, ModnnRun, ModnnExchange):
+    A stream is any method streaming its request or its response (Health/Watch, Run, SplitRun, SplitExchange):
     it holds a thread for as long as it is open, whatever it is called, hence its own budget.
     """
     if method in PROBE_METHODS:

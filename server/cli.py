@@ -81,15 +81,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "input shapes before it runs; over it, or not boundable (sizes that depend on input "
                         "values), is refused with RESOURCE_EXHAUSTED (default: 4294967296, 4 GiB)")
     p.add_argument("--stream-idle-timeout", type=_seconds, default=120.0, metavar="SECONDS",
-                   help="cancel an open stream (Run, ModnnRun, ModnnExchange, Health/Watch) that sent or "
+                   help="cancel an open stream (Run, SplitRun, SplitExchange, Health/Watch) that sent or "
                         "received nothing for this long, and an inference or upload call whose request took "
                         "longer to arrive (default: 120)")
     p.add_argument("--max-streams", type=_int_at_least(1), default=16, metavar="N",
-                   help="streams open at once (Run, ModnnRun, ModnnExchange, Health/Watch), each holding a "
+                   help="streams open at once (Run, SplitRun, SplitExchange, Health/Watch), each holding a "
                         "worker thread; the excess is refused with RESOURCE_EXHAUSTED (default: 16)")
     p.add_argument("--peers", type=_addresses, default=(), metavar="HOST:PORT,...",
-                   help="MoDNN peers this server may dial (with its own token / certificate) when a device's "
-                        "ModnnRun names them; loopback addresses are always allowed, others are refused with "
+                   help="split-job peers this server may dial (with its own token / certificate) when a device's "
+                        "SplitRun names them; loopback addresses are always allowed, others are refused with "
                         "PERMISSION_DENIED unless listed (default: none)")
     sec = p.add_argument_group("security (plain text off loopback is allowed, with a warning on stderr)")
     sec.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate (chain): serve TLS only")

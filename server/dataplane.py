@@ -1,7 +1,7 @@
 """The server's data plane: the state the servicers share and the admission of compute, free of any transport.
 
 The servicers (server.service) translate the protocol into calls on these and on the registry
-(server.models) and MoDNN jobs (server.modnn); what goes wrong here raises a server.errors.ServerFault,
+(server.models) and split jobs (server.split_jobs); what goes wrong here raises a server.errors.ServerFault,
 which the servicers map to a status.
 """
 
@@ -51,11 +51,11 @@ class Admission:
 
 
 class ServerState:
-    """What the servicers share: the models, the admission limit, how to reach MoDNN peers, and whether we
+    """What the servicers share: the models, the admission limit, how to reach split-job peers, and whether we
     are draining.
 
-    ``peer_security`` is how this server dials its peers (server.modnn's server-to-server channels), ``peers``
-    the MoDNN peers (host:port) it may dial beyond loopback ones (``--peers``).
+    ``peer_security`` is how this server dials its peers (server.split_jobs's server-to-server channels), ``peers``
+    the split-job peers (host:port) it may dial beyond loopback ones (``--peers``).
     """
 
     def __init__(self, registry: Registry, admission: Admission, peer_security: ChannelSecurity | None = None,

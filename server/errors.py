@@ -1,6 +1,6 @@
 """The refusals of the server's data plane, free of any transport: what went wrong, not how to say it.
 
-The work (server.models' registry, server.service's admission, server.modnn's split jobs, server.model_checks)
+The work (server.models' registry, server.service's admission, server.split_jobs's split jobs, server.model_checks)
 raises a :class:`ServerFault` subclass naming the kind of problem; the servicer layer (server.service) maps
 each kind to its gRPC status in one function, ``status_of``. Nothing here imports gRPC: the same logic could
 answer over another protocol with another mapping.
@@ -13,7 +13,7 @@ import enum
 
 class Kind(enum.Enum):
     """The kinds of failure. The names are gRPC's status names on purpose: the servicers map them by name,
-    and a peer's status (server.modnn) is carried through unchanged."""
+    and a peer's status (server.split_jobs) is carried through unchanged."""
 
     CANCELLED = enum.auto()
     UNKNOWN = enum.auto()
@@ -57,7 +57,7 @@ class NotFound(ServerFault):
 
 
 class AlreadyExists(ServerFault):
-    """The request would replace something that must not change (a loaded name, a MoDNN job that ran)."""
+    """The request would replace something that must not change (a loaded name, a split job that ran)."""
 
     kind = Kind.ALREADY_EXISTS
 

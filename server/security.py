@@ -82,7 +82,7 @@ class ServerSecurity:
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
     def peer_security(self) -> ChannelSecurity:
-        """How this server reaches its peers (MoDNN server-to-server channels), assuming they are set up
+        """How this server reaches its peers (split jobs' server-to-server channels), assuming they are set up
         like itself: the same token; with mutual TLS, the same CA and its own certificate as the client
         certificate (which must allow clientAuth); with TLS alone, TLS checked against the system's CAs.
         """

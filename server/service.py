@@ -1,7 +1,7 @@
 """The gRPC servicers: the Open Inference Protocol (inference.GRPCInferenceService) and DeepcoService.
 
 They translate the protocol: read a request, call the data plane (server.dataplane's state and admission,
-server.models' registry, server.modnn's jobs), build the response. What the data plane raises is a
+server.models' registry, server.split_jobs's jobs), build the response. What the data plane raises is a
 transport-free server.errors.ServerFault; :func:`status_of` is the one place that maps it to a gRPC status.
 """
 
@@ -19,8 +19,8 @@ import grpc
 from deepco_server.dataplane import ServerState
 from deepco_server.errors import ServerFault, Unavailable, invalid
 from deepco_server.models import PLATFORM, model_from_load_request
-from deepco_server.modnn import ModnnService, parse_request
 from deepco_server.security import client_identity
+from deepco_server.split_jobs import SplitJobs, parse_request
 from deepco_server.triton_extensions import (
     add_classification,
     classification_counts,
@@ -200,11 +200,11 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
 
     def __init__(self, state: ServerState, max_streams: int | None = None):
         self.state = state
-        # MoDNN jobs hold a stream (a worker thread) for their run and each feeding peer while they wait:
+        # split jobs hold a stream (a worker thread) for their run and each feeding peer while they wait:
         # --max-inflight + 2 of them, within the stream budget (server.budgets) so that jobs cannot starve
         # each other's exchange streams.
         threads = state.admission.limit + 2
-        self.modnn = ModnnService(state, threads=threads if max_streams is None else min(threads, max_streams))
+        self.split_jobs = SplitJobs(state, threads=threads if max_streams is None else min(threads, max_streams))
 
     @_statuses
     def Profile(self, request: dpb.ProfileRequest, context: grpc.ServicerContext) -> dpb.ProfileResponse:
@@ -258,7 +258,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         runs = request.runs or 3
         if runs > PROBE_MAX_RUNS:
             raise invalid(f"ProbePeer: runs must be <= {PROBE_MAX_RUNS}, got {runs}")
-        stub = self.modnn.peer_stub(request.peer)
+        stub = self.split_jobs.peer_stub(request.peer)
 
         def median_of(payload: bytes) -> float:
             times = []
@@ -274,24 +274,24 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         small = median_of(b"\0")
         return dpb.ProbePeerResponse(small_seconds=small, large_seconds=median_of(bytes(request.bytes)))
 
-    def ModnnRun(self, request: dpb.ModnnRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
-        """MoDNN: this server's band of a frame, level by level with direct peer exchanges (server/modnn.py)."""
-        with _answering("ModnnRun", context):
+    def SplitRun(self, request: dpb.SplitRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
+        """A split job: this server's band of a frame, level by level with direct peer exchanges (split_jobs.py)."""
+        with _answering("SplitRun", context):
             if self.state.draining.is_set():
                 raise Unavailable("server is shutting down")
             job = parse_request(request, self.state.registry, client_identity(context), self.state.peers)
-            self.modnn.mailboxes.claim(job.id, job.threads)
+            self.split_jobs.mailboxes.claim(job.id, job.threads)
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())
-            with _answering("ModnnRun", context):
-                result = self.modnn.run(job, context.is_active)
-            yield dpb.RunEvent(modnn_result=result)
+            with _answering("SplitRun", context):
+                result = self.split_jobs.run(job, context.is_active)
+            yield dpb.RunEvent(split_result=result)
         finally:
-            self.modnn.mailboxes.drop(job.id)
+            self.split_jobs.mailboxes.drop(job.id)
 
-    def ModnnExchange(self, request_iterator: Iterator[dpb.RowsMessage],
+    def SplitExchange(self, request_iterator: Iterator[dpb.RowsMessage],
                       context: grpc.ServicerContext) -> dpb.ExchangeAck:
-        """MoDNN, server to server: a peer's boundary rows for the jobs running (or about to run) here."""
-        with _answering("ModnnExchange", context):
-            return self.modnn.exchange(request_iterator)
+        """A split job, server to server: a peer's boundary rows for the jobs running (or about to run) here."""
+        with _answering("SplitExchange", context):
+            return self.split_jobs.exchange(request_iterator)
         raise AssertionError("unreachable: context.abort raises")

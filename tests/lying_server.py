@@ -1,11 +1,11 @@
-"""A `deepco serve` that lies: a real server whose DeepcoService.Run and ModnnRun answers are rewritten.
+"""A `deepco serve` that lies: a real server whose DeepcoService.Run and SplitRun answers are rewritten.
 
     python tests/lying_server.py LIE [--from-start] -- [deepco serve flags]
 
 LIE is what goes wrong with every answer once the server lies:
-  shape    one channel too few (Run outputs, ModnnRun bands and outputs)
+  shape    one channel too few (Run outputs, SplitRun bands and outputs)
   dtype    float64 instead of float32
-  rows     one row too few in a Run output; a ModnnRun band that says it starts one row later
+  rows     one row too few in a Run output; a SplitRun band that says it starts one row later
   garbage  the tensor's bytes cut in half (the message no longer decodes)
 
 The server answers honestly (so a device can set up and calibrate) until it gets SIGUSR1, or from the start
@@ -73,10 +73,10 @@ def lying_servicer(lie: str) -> type[DeepcoServicer]:
                     event.result.response.CopyFrom(lie_in_response(event.result.response, lie))
                 yield event
 
-        def ModnnRun(self, request, context):  # noqa: N802 (gRPC's name)
-            for event in super().ModnnRun(request, context):
-                if lying.is_set() and event.WhichOneof("event") == "modnn_result":
-                    event.modnn_result.output.CopyFrom(lie_in_rows(event.modnn_result.output, lie))
+        def SplitRun(self, request, context):  # noqa: N802 (gRPC's name)
+            for event in super().SplitRun(request, context):
+                if lying.is_set() and event.WhichOneof("event") == "split_result":
+                    event.split_result.output.CopyFrom(lie_in_rows(event.split_result.output, lie))
                 yield event
 
     return Lying

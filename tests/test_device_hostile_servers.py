@@ -2,7 +2,7 @@
 drops a server that answered wrongly, and ends a run that no longer succeeds with one line and a non-zero
 exit, never a traceback or a hang.
 
-The liars are real `deepco serve` processes whose DeepcoService.Run / ModnnRun answers are rewritten
+The liars are real `deepco serve` processes whose DeepcoService.Run / SplitRun answers are rewritten
 (tests/lying_server.py); the frozen server is a real one stopped with SIGSTOP.
 """
 

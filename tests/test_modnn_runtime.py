@@ -111,9 +111,9 @@ def small(servers):
         runner.unload()
 
 
-def modnn_run(address: str, request: dpb.ModnnRequest, timeout: float = 30.0) -> list[dpb.RunEvent]:
+def modnn_run(address: str, request: dpb.SplitRequest, timeout: float = 30.0) -> list[dpb.RunEvent]:
     with InferenceClient(address) as c:
-        return list(c.deepco.ModnnRun(request, timeout=timeout))
+        return list(c.deepco.SplitRun(request, timeout=timeout))
 
 
 def test_a_peer_that_is_down_fails_the_job_naming_it_and_the_servers_stay_healthy(servers, small):
@@ -167,7 +167,7 @@ def test_bad_modnn_requests_get_the_right_status(servers, small):
     bad(lambda r: setattr(r.input, "data", b"123"), grpc.StatusCode.INVALID_ARGUMENT, "bytes of raw data")
     with InferenceClient(servers[0].address) as c, pytest.raises(grpc.RpcError) as info:
         flat = dpb.Rows(datatype="FP32", shape=[1, 2], data=b"\0" * 8)
-        c.deepco.ModnnExchange(iter([dpb.RowsMessage(job_id="j", rows=flat)]), timeout=10)
+        c.deepco.SplitExchange(iter([dpb.RowsMessage(job_id="j", rows=flat)]), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not 4-d" in info.value.details()
 
 

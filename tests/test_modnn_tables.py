@@ -7,7 +7,7 @@ import pytest
 from conftest import partition_rel_error
 
 from deepco.partition import Partitioner, PartitionError
-from deepco.planning.modnn import check_tables, ownership, receives, sends
+from deepco.planning.bands import check_tables, ownership, receives, sends
 from deepco.planning.plan import PlanningError
 
 
@@ -125,7 +125,7 @@ def test_segment_windows_are_checked():
 
 def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
     from deepco_server.errors import Kind, ServerFault
-    from deepco_server.modnn import Mailboxes
+    from deepco_server.split_jobs import Mailboxes
 
     boxes = Mailboxes(max_jobs=1, max_mailboxes=2, max_bytes=64)
     rows = np.zeros((1, 1, 2, 4), np.float32)  # 32 bytes
@@ -133,7 +133,7 @@ def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
     boxes.claim("early")
     with pytest.raises(ServerFault) as info:
         boxes.claim("other")
-    assert info.value.kind is Kind.RESOURCE_EXHAUSTED and "1 MoDNN jobs already running" in str(info.value)
+    assert info.value.kind is Kind.RESOURCE_EXHAUSTED and "1 split jobs already running" in str(info.value)
     with pytest.raises(ServerFault) as info:
         boxes.deliver("early", 0, 1, rows, 0)
     assert info.value.kind is Kind.INVALID_ARGUMENT and "sent twice" in str(info.value)
@@ -160,7 +160,7 @@ def test_mailboxes_bound_jobs_and_bytes_and_forget_finished_jobs():
 
 def test_mailboxes_admit_jobs_only_while_their_threads_fit():
     from deepco_server.errors import Kind, ServerFault
-    from deepco_server.modnn import Mailboxes
+    from deepco_server.split_jobs import Mailboxes
 
     boxes = Mailboxes(max_jobs=4, threads=6)
     boxes.claim("a", 3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from deepco_server.modnn import peer_allowed
+from deepco_server.split_jobs import peer_allowed
 
 from deepco.cluster import ClusterError, parse_cluster
 from deepco.errors import UserError

@@ -3,7 +3,7 @@ the server stays up and answers ServerReady within 1 s during and after it.
 
 File reads through external data, model poisoning (replacing or unloading a name, other clients' models),
 thread exhaustion by idle streams, memory bombs (value-dependent shapes, nested subgraphs), and the small
-items (1 MB names, MoDNN peers outside the allow-list, metrics without a token).
+items (1 MB names, split-job peers outside the allow-list, metrics without a token).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _idle_streams(address: str, model: str, count: int) -> tuple[list, list]:
         calls.append(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""),
                                                                timeout=60))
         never = iter(lambda: time.sleep(60), 0)  # a client stream that sends nothing
-        calls.append(channel.stream_unary("/deepco.DeepcoService/ModnnExchange",
+        calls.append(channel.stream_unary("/deepco.DeepcoService/SplitExchange",
                                           request_serializer=dpb.RowsMessage.SerializeToString,
                                           response_deserializer=dpb.ExchangeAck.FromString).future(never, timeout=60))
         run = channel.unary_stream("/deepco.DeepcoService/Run",
@@ -322,14 +322,14 @@ def test_a_megabyte_model_name_is_invalid_argument(server: Server) -> None:
             assert len(message) < 1000
 
 
-def _one_stage_job(address: str, gather_to: int) -> dpb.ModnnRequest:
+def _one_stage_job(address: str, gather_to: int) -> dpb.SplitRequest:
     """Server 0's part of a one-stage lookahead split of an 8-row image (a 3x3 conv: one row of halo) with a
     peer at a documentation address (RFC 5737) that is neither loopback nor in --peers."""
-    level0 = dpb.ModnnLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)])
-    level1 = dpb.ModnnLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)],
+    level0 = dpb.SplitLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)])
+    level1 = dpb.SplitLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)],
                             window=[dpb.RowRange(start=0, stop=5), dpb.RowRange(start=3, stop=8)], crop=[0, 1])
     window = np.zeros((1, 3, 5, 8), np.float32)
-    return dpb.ModnnRequest(job_id=f"j{gather_to}", peers=[address, "192.0.2.1:50051"], server_index=0,
+    return dpb.SplitRequest(job_id=f"j{gather_to}", peers=[address, "192.0.2.1:50051"], server_index=0,
                             segment_models=["one-conv"], levels=[level0, level1], input=encode_rows(window, 0),
                             lookahead=True, gather_to=gather_to, tail_model="one-conv" if gather_to else "")
 
@@ -340,8 +340,8 @@ def test_modnn_peers_outside_the_allow_list_are_refused(server: Server) -> None:
     with InferenceClient(server.address) as c:
         c.load_model(conv_model((3, 4)), "one-conv")
     with grpc.insecure_channel(server.address) as channel:
-        run = channel.unary_stream("/deepco.DeepcoService/ModnnRun",
-                                   request_serializer=dpb.ModnnRequest.SerializeToString,
+        run = channel.unary_stream("/deepco.DeepcoService/SplitRun",
+                                   request_serializer=dpb.SplitRequest.SerializeToString,
                                    response_deserializer=dpb.RunEvent.FromString)
         with pytest.raises(grpc.RpcError) as info:
             list(run(_one_stage_job(server.address, gather_to=2), timeout=10))  # gather on the foreign peer

@@ -170,7 +170,7 @@ def _caller(channel: grpc.Channel) -> Callable[[str, bytes, bool], grpc.StatusCo
     calls: dict[str, Callable] = {}
 
     def call(path: str, body: bytes, client_streaming: bool) -> grpc.StatusCode:
-        server_streaming = path.endswith(("/Run", "/ModnnRun"))
+        server_streaming = path.endswith(("/Run", "/SplitRun"))
         if path not in calls:
             make = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
                     (True, False): channel.stream_unary, (True, True): channel.stream_stream}

@@ -102,7 +102,7 @@ def test_stream_budget_refuses_the_excess_at_once_and_control_calls_still_answer
 
     try:
         with grpc.insecure_channel(srv.address) as channel:
-            exchange = channel.stream_unary("/deepco.DeepcoService/ModnnExchange")
+            exchange = channel.stream_unary("/deepco.DeepcoService/SplitExchange")
             live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
             holders = [exchange.future(held_stream(), timeout=30) for _ in range(3)]
             wait_until(lambda: metric_sum(scrape(srv.metrics_port), "deepco_grpc_inflight") >= 3, 10,

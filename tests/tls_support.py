@@ -1,6 +1,6 @@
 """Test certificates, made at test time with `cryptography` (no private key is ever committed).
 
-A CA, a server certificate for 127.0.0.1/localhost (serverAuth and clientAuth, as a MoDNN peer presents it
+A CA, a server certificate for 127.0.0.1/localhost (serverAuth and clientAuth, as a split-job peer presents it
 to other servers too), a client certificate, and a rogue CA with its own client certificate.
 """
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from deepco.planning import make_plan
-from deepco.planning.modnn import ownership
+from deepco.planning.bands import ownership
 from deepco.planning.plan import PlanningError
 from deepco.planning.rows import Node, RowPlan, SliceBill, abstract_instance, association, equal_rows, size_rows
 from deepco.planning.staged import CostModel, Rates, StagedPlan, predict

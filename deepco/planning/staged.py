@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from deepco.planning.modnn import ownership, receives
+from deepco.planning.bands import ownership, receives
 from deepco.planning.plan import PlanningError
 
 Interval = tuple[int, int]

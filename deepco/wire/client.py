@@ -99,8 +99,8 @@ class RunHandle:
 
 
 class SplitJob:
-    """One participant's stream of a split job (DeepcoService.ModnnRun), read in the contract's order: a
-    ``received`` event once the server holds its input, then its ``modnn_result``. Every failure, an early end
+    """One participant's stream of a split job (DeepcoService.SplitRun), read in the contract's order: a
+    ``received`` event once the server holds its input, then its ``split_result``. Every failure, an early end
     or an event out of order included, is a ServerError naming the server."""
 
     def __init__(self, address: str, call: Any):
@@ -110,9 +110,9 @@ class SplitJob:
         """Wait until the server has received this participant's input."""
         self._next("received")
 
-    def result(self) -> dpb.ModnnResult:
+    def result(self) -> dpb.SplitResult:
         """Wait for this participant's result."""
-        return self._next("modnn_result").modnn_result
+        return self._next("split_result").split_result
 
     def cancel(self) -> None:
         """Cancel the job's stream (the server stops it and its peers stop waiting for it)."""
@@ -125,9 +125,9 @@ class SplitJob:
             raise ServerError.from_rpc(self.address, exc) from None
         except StopIteration:
             raise ServerError(self.address, grpc.StatusCode.INTERNAL,
-                              "job ended without a result" if kind == "modnn_result" else "job ended early") from None
+                              "job ended without a result" if kind == "split_result" else "job ended early") from None
         if event.WhichOneof("event") != kind:
-            raise WrongAnswer(self.address, "ModnnRun answered out of order")
+            raise WrongAnswer(self.address, "SplitRun answered out of order")
         return event
 
 
@@ -287,9 +287,9 @@ class InferenceClient:
             raise WrongAnswer(self.address, "Run answered out of order")
         return RunHandle(self, events, watchdog)
 
-    def start_split(self, request: dpb.ModnnRequest, timeout: float | None = None) -> SplitJob:
+    def start_split(self, request: dpb.SplitRequest, timeout: float | None = None) -> SplitJob:
         """Start this server's part of a split job; the handle reads its events (nothing is waited for here)."""
-        return SplitJob(self.address, self.deepco.ModnnRun(request, timeout=self.timeout if timeout is None
+        return SplitJob(self.address, self.deepco.SplitRun(request, timeout=self.timeout if timeout is None
                                                             else timeout))
 
     def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:

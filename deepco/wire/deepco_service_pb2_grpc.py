@@ -50,13 +50,13 @@ class DeepcoServiceStub:
                 request_serializer=deepco__service__pb2.EchoRequest.SerializeToString,
                 response_deserializer=deepco__service__pb2.EchoResponse.FromString,
                 _registered_method=True)
-        self.ModnnRun = channel.unary_stream(
-                '/deepco.DeepcoService/ModnnRun',
-                request_serializer=deepco__service__pb2.ModnnRequest.SerializeToString,
+        self.SplitRun = channel.unary_stream(
+                '/deepco.DeepcoService/SplitRun',
+                request_serializer=deepco__service__pb2.SplitRequest.SerializeToString,
                 response_deserializer=deepco__service__pb2.RunEvent.FromString,
                 _registered_method=True)
-        self.ModnnExchange = channel.stream_unary(
-                '/deepco.DeepcoService/ModnnExchange',
+        self.SplitExchange = channel.stream_unary(
+                '/deepco.DeepcoService/SplitExchange',
                 request_serializer=deepco__service__pb2.RowsMessage.SerializeToString,
                 response_deserializer=deepco__service__pb2.ExchangeAck.FromString,
                 _registered_method=True)
@@ -94,18 +94,18 @@ class DeepcoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ModnnRun(self, request, context):
-        """MoDNN (the baseline DeepCo is compared with): run this server's disjoint band of a frame level by level
+    def SplitRun(self, request, context):
+        """A split job (every split plan: DeepCo's own, THREAD's and MoDNN's): run this server's band of a frame level by level
         (segment models loaded beforehand with RepositoryModelLoad), exchanging boundary rows with the other
-        servers directly (ModnnExchange) before each segment. Events: `received` once the request has arrived,
-        then `modnn_result` with the server's band of the last level.
+        servers directly (SplitExchange) before each segment. Events: `received` once the request has arrived,
+        then `split_result` with the server's band of the last level.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ModnnExchange(self, request_iterator, context):
-        """Server to server: one stream per MoDNN job from a server to each server it feeds, one message per level
+    def SplitExchange(self, request_iterator, context):
+        """Server to server: one stream per split job from a server to each server it feeds, one message per level
         with the rows that server needs from the sender's band; answered once the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -138,13 +138,13 @@ def add_DeepcoServiceServicer_to_server(servicer, server):
                     request_deserializer=deepco__service__pb2.EchoRequest.FromString,
                     response_serializer=deepco__service__pb2.EchoResponse.SerializeToString,
             ),
-            'ModnnRun': grpc.unary_stream_rpc_method_handler(
-                    servicer.ModnnRun,
-                    request_deserializer=deepco__service__pb2.ModnnRequest.FromString,
+            'SplitRun': grpc.unary_stream_rpc_method_handler(
+                    servicer.SplitRun,
+                    request_deserializer=deepco__service__pb2.SplitRequest.FromString,
                     response_serializer=deepco__service__pb2.RunEvent.SerializeToString,
             ),
-            'ModnnExchange': grpc.stream_unary_rpc_method_handler(
-                    servicer.ModnnExchange,
+            'SplitExchange': grpc.stream_unary_rpc_method_handler(
+                    servicer.SplitExchange,
                     request_deserializer=deepco__service__pb2.RowsMessage.FromString,
                     response_serializer=deepco__service__pb2.ExchangeAck.SerializeToString,
             ),
@@ -246,7 +246,7 @@ class DeepcoService:
             _registered_method=True)
 
     @staticmethod
-    def ModnnRun(request,
+    def SplitRun(request,
             target,
             options=(),
             channel_credentials=None,
@@ -259,8 +259,8 @@ class DeepcoService:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/deepco.DeepcoService/ModnnRun',
-            deepco__service__pb2.ModnnRequest.SerializeToString,
+            '/deepco.DeepcoService/SplitRun',
+            deepco__service__pb2.SplitRequest.SerializeToString,
             deepco__service__pb2.RunEvent.FromString,
             options,
             channel_credentials,
@@ -273,7 +273,7 @@ class DeepcoService:
             _registered_method=True)
 
     @staticmethod
-    def ModnnExchange(request_iterator,
+    def SplitExchange(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -286,7 +286,7 @@ class DeepcoService:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/deepco.DeepcoService/ModnnExchange',
+            '/deepco.DeepcoService/SplitExchange',
             deepco__service__pb2.RowsMessage.SerializeToString,
             deepco__service__pb2.ExchangeAck.FromString,
             options,

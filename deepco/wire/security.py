@@ -1,7 +1,7 @@
 """Client-side channel security for DeepCo's gRPC channels: TLS, mutual TLS and a shared bearer token.
 
 One small value, :class:`ChannelSecurity`, says how to reach a server; :func:`make_channel` turns it into a
-gRPC channel. The device, :class:`deepco.wire.client.InferenceClient` and server-to-server (MoDNN) channels
+gRPC channel. The device, :class:`deepco.wire.client.InferenceClient` and server-to-server (split-job) channels
 all use the same two names, so a cluster is secured by handing every party the same settings::
 
     security = ChannelSecurity(ca="ca.pem", cert="client.pem", key="client.key", token="s3cret")

@@ -1,4 +1,4 @@
-"""The split-job contract (DeepcoService.ModnnRun), both ends of it in one place.
+"""The split-job contract (DeepcoService.SplitRun), both ends of it in one place.
 
 A split plan runs as one job per participant. The device builds each participant's request here
 (`job_request`) and the server reads who gathers the last level from it (`gatherer`). Two conventions
@@ -58,19 +58,19 @@ def from_rows(array: np.ndarray, rank: int) -> np.ndarray:
 def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
                 bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
                 crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
-                tail: int | None, tail_model: str) -> dpb.ModnnRequest:
+                tail: int | None, tail_model: str) -> dpb.SplitRequest:
     """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
     (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
     participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers."""
     levels = []
     for j in range(len(bands)):
-        level = dpb.ModnnLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
+        level = dpb.SplitLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
         if j:
             level.window.extend(dpb.RowRange(start=a, stop=b) for a, b in windows[j])
             level.crop.extend(crops[j])
         levels.append(level)
     a, b = windows[0][index]
-    return dpb.ModnnRequest(job_id=job_id, segment_models=list(segment_models), server_index=index, peers=list(peers),
+    return dpb.SplitRequest(job_id=job_id, segment_models=list(segment_models), server_index=index, peers=list(peers),
                             levels=levels, input=encode_rows(np.ascontiguousarray(image[:, :, a:b, :]), a),
                             exchange_timeout_seconds=exchange_timeout, lookahead=lookahead,
                             gather_to=gather_field(tail), tail_model=tail_model if tail == index else "")

@@ -1,20 +1,20 @@
-"""MoDNN on the server: run a disjoint band level by level, exchanging boundary rows with the peers directly.
+"""Split jobs on the server: run a disjoint band level by level, exchanging boundary rows with the peers directly.
 
-A job (one frame) arrives as DeepcoService.ModnnRun with this server's band of the image and the row
-tables of every level (see deepco.planning.modnn). For each segment j the server
+A job (one frame) arrives as DeepcoService.SplitRun with this server's band of the image and the row
+tables of every level (see deepco.planning.bands). For each segment j the server
   1. sends each peer the rows of level j-1 that peer's window needs from this server's band, on one
-     ModnnExchange client stream per (job, peer): server to server, nothing relayed by the device;
+     SplitExchange client stream per (job, peer): server to server, nothing relayed by the device;
   2. waits (bounded) for the rows it needs from the peers, which their streams deliver into this job's
      mailbox here;
   3. assembles its window, runs segment j, and crops its band of level j.
 Both sides compute what flows from the same tables with the same functions, so a message is expected
 exactly when it is sent.
 
-Peers may send rows before this server has received its own ModnnRun (the device sends the image bands
+Peers may send rows before this server has received its own SplitRun (the device sends the image bands
 one after another over an antenna), so a mailbox is created by whichever comes first; one never claimed
-by a ModnnRun expires. Memory and threads are bounded: at most MAX_JOBS jobs run at once, at most
+by a SplitRun expires. Memory and threads are bounded: at most MAX_JOBS jobs run at once, at most
 MAX_MAILBOXES mailboxes and MAX_MAILBOX_BYTES of rows are held, and every wait has a deadline. A job holds
-one of this server's gRPC worker threads for its ModnnRun and one for each peer's incoming ModnnExchange
+one of this server's gRPC worker threads for its SplitRun and one for each peer's incoming SplitExchange
 stream; a job is admitted only while the running jobs' threads fit the thread budget (see `Mailboxes`), so
 that jobs cannot starve each other's exchange streams of threads.
 """
@@ -46,7 +46,7 @@ from deepco_server.models import Registry
 from deepco_server.security import is_loopback
 
 from deepco.parsing import split_address
-from deepco.planning.modnn import NOT_A_SERVER, check_tables, receives, sends
+from deepco.planning.bands import NOT_A_SERVER, check_tables, receives, sends
 from deepco.planning.plan import PlanningError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
@@ -76,12 +76,12 @@ class Mailbox:
 
 
 class Mailboxes:
-    """Per-job mailboxes, shared by the ModnnRun and ModnnExchange handlers."""
+    """Per-job mailboxes, shared by the SplitRun and SplitExchange handlers."""
 
     def __init__(self, max_jobs: int = MAX_JOBS, max_mailboxes: int = MAX_MAILBOXES,
                  max_bytes: int = MAX_MAILBOX_BYTES, threads: int | None = None):
         self.max_jobs, self.max_mailboxes, self.max_bytes = max_jobs, max_mailboxes, max_bytes
-        self.threads = threads  # worker threads MoDNN jobs may hold together (None: no limit)
+        self.threads = threads  # worker threads split jobs may hold together (None: no limit)
         self.bytes = 0
         self._held: dict[str, int] = {}  # threads each running job holds
         self.cond = threading.Condition()
@@ -103,7 +103,7 @@ class Mailboxes:
         box = self.boxes.get(job)
         if box is None:
             if len(self.boxes) >= self.max_mailboxes:
-                raise ResourceExhausted(f"MoDNN: {len(self.boxes)} job mailboxes open, the limit; retry later")
+                raise ResourceExhausted(f"split jobs: {len(self.boxes)} job mailboxes open, the limit; retry later")
             box = self.boxes[job] = Mailbox(time.monotonic())
         return box
 
@@ -113,17 +113,17 @@ class Mailboxes:
         with self.cond:
             running = sum(b.claimed for b in self.boxes.values())
             if job in self.boxes and self.boxes[job].claimed or job in self.finished:
-                raise AlreadyExists(f"MoDNN job {job!r} already ran here")
+                raise AlreadyExists(f"split job {job!r} already ran here")
             if running >= self.max_jobs:
-                raise ResourceExhausted(f"server busy: {running} MoDNN jobs already running (limit {self.max_jobs})")
+                raise ResourceExhausted(f"server busy: {running} split jobs already running (limit {self.max_jobs})")
             if self.threads is not None:
                 if threads > self.threads:
-                    raise ResourceExhausted(f"MoDNN job {job!r} needs {threads} worker threads here (its run and "
+                    raise ResourceExhausted(f"split job {job!r} needs {threads} worker threads here (its run and "
                                             f"{threads - 1} peers' streams), more than the {self.threads} this server "
-                                            "gives MoDNN; start it with a larger --max-inflight")
+                                            "gives split jobs; start it with a larger --max-inflight")
                 held = sum(self._held.values())
                 if held + threads > self.threads:
-                    raise ResourceExhausted(f"server busy: MoDNN jobs hold {held} of {self.threads} worker threads, "
+                    raise ResourceExhausted(f"server busy: split jobs hold {held} of {self.threads} worker threads, "
                                             f"this one needs {threads}")
             box = self._box(job)
             box.claimed = True
@@ -137,9 +137,10 @@ class Mailboxes:
                 return  # the job ended (e.g. failed) here: nobody will read them
             box = self._box(job)
             if (level, sender) in box.rows:
-                raise invalid(f"MoDNN job {job!r}: rows of level {level} from server {sender} sent twice")
+                raise invalid(f"split job {job!r}: rows of level {level} from server {sender} sent twice")
             if self.bytes + array.nbytes > self.max_bytes:
-                raise ResourceExhausted(f"MoDNN: {self.bytes} bytes of peers' rows held, the limit is {self.max_bytes}")
+                raise ResourceExhausted(f"split jobs: {self.bytes} bytes of peers' rows held, the limit is "
+                                        f"{self.max_bytes}")
             box.rows[(level, sender)] = (array, start)
             self.bytes += array.nbytes
             self.cond.notify_all()
@@ -164,12 +165,12 @@ class Mailboxes:
 
 
 class Outgoing:
-    """One ModnnExchange client stream to a peer for one job: messages are queued, gRPC sends them in order."""
+    """One SplitExchange client stream to a peer for one job: messages are queued, gRPC sends them in order."""
 
     def __init__(self, stub: dpb_grpc.DeepcoServiceStub, peer: int, address: str, timeout: float):
         self.peer, self.address = peer, address
         self.queue: queue.Queue[dpb.RowsMessage | None] = queue.Queue()
-        self.future = stub.ModnnExchange.future(self._messages(), timeout=timeout)
+        self.future = stub.SplitExchange.future(self._messages(), timeout=timeout)
 
     def _messages(self) -> Iterator[dpb.RowsMessage]:
         while (message := self.queue.get()) is not None:
@@ -218,7 +219,7 @@ class Outgoing:
 
 @dataclass
 class Job:
-    """A validated ModnnRequest."""
+    """A validated SplitRequest."""
 
     id: str
     me: int
@@ -247,7 +248,7 @@ class Job:
 
     @property
     def threads(self) -> int:
-        """Worker threads the job holds on this server: its ModnnRun and every feeding peer's stream."""
+        """Worker threads the job holds on this server: its SplitRun and every feeding peer's stream."""
         feeders = {peer for level in range(len(self.models)) for peer in self.receives(level)}
         if self.gather_to == self.me:
             feeders |= set(range(len(self.peers))) - {self.me}
@@ -259,7 +260,7 @@ def _interval(r: dpb.RowRange) -> tuple[int, int]:
 
 
 def peer_allowed(address: str, allowed: frozenset[str]) -> bool:
-    """Whether this server may dial ``address`` (host:port) for MoDNN: it is in ``allowed`` (`deepco serve
+    """Whether this server may dial ``address`` (host:port) for a split job: it is in ``allowed`` (`deepco serve
     --peers`), or its host is a loopback address (servers sharing this machine)."""
     if address in allowed:
         return True
@@ -270,86 +271,86 @@ def peer_allowed(address: str, allowed: frozenset[str]) -> bool:
     return is_loopback(host)
 
 
-def parse_request(request: dpb.ModnnRequest, registry: Registry, owner: str = "",
+def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = "",
                   allowed_peers: frozenset[str] = frozenset()) -> Job:
-    """Check a ModnnRequest: INVALID_ARGUMENT naming the problem, NOT_FOUND for a model not loaded (for
+    """Check a SplitRequest: INVALID_ARGUMENT naming the problem, NOT_FOUND for a model not loaded (for
     ``owner``), PERMISSION_DENIED for a peer address outside ``allowed_peers`` and loopback."""
     job = request.job_id
     if not job or len(job) > MAX_JOB_ID:
-        raise invalid(f"ModnnRun: job_id must be 1 to {MAX_JOB_ID} characters, got {len(job)}")
+        raise invalid(f"SplitRun: job_id must be 1 to {MAX_JOB_ID} characters, got {len(job)}")
     peers = list(request.peers)
     if not peers or any(not p for p in peers):
-        raise invalid("ModnnRun: peers must list every server's host:port, none empty")
+        raise invalid("SplitRun: peers must list every server's host:port, none empty")
     me = request.server_index
     if me >= len(peers):
-        raise invalid(f"ModnnRun: server_index {me} is not an index of the {len(peers)} peers")
+        raise invalid(f"SplitRun: server_index {me} is not an index of the {len(peers)} peers")
     if len(peers) > MAX_PEER_CHANNELS or any(len(p) > 256 for p in peers):
-        raise invalid(f"ModnnRun: at most {MAX_PEER_CHANNELS} peers of at most 256 characters each")
+        raise invalid(f"SplitRun: at most {MAX_PEER_CHANNELS} peers of at most 256 characters each")
     segments = len(request.segment_models)
     if segments < 1:
-        raise invalid("ModnnRun: no segment_models")
+        raise invalid("SplitRun: no segment_models")
     if len(request.levels) != segments + 1:
-        raise invalid(f"ModnnRun: {len(request.levels)} levels for {segments} segments, expected {segments + 1}")
+        raise invalid(f"SplitRun: {len(request.levels)} levels for {segments} segments, expected {segments + 1}")
     timeout = request.exchange_timeout_seconds or DEFAULT_EXCHANGE_TIMEOUT
     if not 0 < timeout <= MAX_EXCHANGE_TIMEOUT:
-        raise invalid(f"ModnnRun: exchange_timeout_seconds must be in (0, {MAX_EXCHANGE_TIMEOUT:g}], got {timeout:g}")
+        raise invalid(f"SplitRun: exchange_timeout_seconds must be in (0, {MAX_EXCHANGE_TIMEOUT:g}], got {timeout:g}")
     bands = [[_interval(r) for r in level.owned] for level in request.levels]
     windows = [[_interval(r) for r in level.window] for level in request.levels]
     crops = [[int(c) for c in level.crop] for level in request.levels]
     heights = [level[-1][1] if level else 0 for level in bands]
     if len(bands[0]) != len(peers):
-        raise invalid(f"ModnnRun: level 0 has bands for {len(bands[0])} servers, but {len(peers)} peers")
+        raise invalid(f"SplitRun: level 0 has bands for {len(bands[0])} servers, but {len(peers)} peers")
     try:
         check_tables(bands, windows, heights)
     except PlanningError as exc:
-        raise invalid(f"ModnnRun: {exc}") from None
+        raise invalid(f"SplitRun: {exc}") from None
     for j in range(1, len(crops)):
         if len(crops[j]) != len(peers) or any(c < 0 for c in crops[j]):
-            raise invalid(f"ModnnRun: level {j} needs one non-negative crop per server")
+            raise invalid(f"SplitRun: level {j} needs one non-negative crop per server")
     models = [registry.get(name, owner=owner) for name in request.segment_models]
     for model in models:
         if len(model.inputs) != 1 or len(model.outputs) != 1:
-            raise invalid(f"ModnnRun: segment model {model.name!r} must have one input and one output")
+            raise invalid(f"SplitRun: segment model {model.name!r} must have one input and one output")
     try:
-        image, start = decode_rows(request.input, "ModnnRun input")
+        image, start = decode_rows(request.input, "SplitRun input")
     except TensorError as exc:
         raise invalid(str(exc)) from None
     a, b = windows[1][me] if request.lookahead else bands[0][me]
     if start != a or image.shape[2] != b - a:
         what = "needs the window" if request.lookahead else "owns"
-        raise invalid(f"ModnnRun: input holds rows [{start}, {start + image.shape[2]}) of the image, but server "
+        raise invalid(f"SplitRun: input holds rows [{start}, {start + image.shape[2]}) of the image, but server "
                       f"{me} {what} [{a}, {b})")
     tail = None
     try:
         gather_to = gatherer(request.gather_to, len(peers))
     except ValueError as exc:
-        raise invalid(f"ModnnRun: {exc}") from None
+        raise invalid(f"SplitRun: {exc}") from None
     if gather_to == me:
         if not request.tail_model:
-            raise invalid("ModnnRun: gather_to names this server but no tail_model is given")
+            raise invalid("SplitRun: gather_to names this server but no tail_model is given")
         tail = registry.get(request.tail_model, owner=owner)
         if len(tail.inputs) != 1:
-            raise invalid(f"ModnnRun: tail model {tail.name!r} must have one input")
+            raise invalid(f"SplitRun: tail model {tail.name!r} must have one input")
     result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
                  tail)
     talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
     if gather_to is not None:
         talks_to |= {gather_to} if gather_to != me else set(range(len(peers))) - {me}
     if any(peers[k] == NOT_A_SERVER for k in talks_to):
-        raise invalid(f"ModnnRun: the tables make this server exchange rows with a participant that is not a "
+        raise invalid(f"SplitRun: the tables make this server exchange rows with a participant that is not a "
                       f"server ({NOT_A_SERVER!r}: the device)")
     # This server dials its peers with its own token or client certificate: a client must not be able to
     # point those credentials at an address of its choosing. Only the peers the tables make it talk to count
     # (a one-stage split with lookahead talks to none, so it needs no --peers).
     for k in sorted(talks_to):
         if not peer_allowed(peers[k], allowed_peers):
-            raise PermissionDenied(f"ModnnRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
-                                   "it with --peers listing its MoDNN peers' host:port (loopback is always allowed)")
+            raise PermissionDenied(f"SplitRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
+                                   "it with --peers listing its split-job peers (loopback is always allowed)")
     return result
 
 
-class ModnnService:
-    """The MoDNN handlers of DeepcoService (wired in by server.service.DeepcoServicer)."""
+class SplitJobs:
+    """The split-job handlers of DeepcoService (wired in by server.service.DeepcoServicer)."""
 
     def __init__(self, state: ServerState, threads: int | None = None,
                  channel_factory: Callable[[str], grpc.Channel] | None = None):
@@ -381,23 +382,23 @@ class ModnnService:
             return dpb_grpc.DeepcoServiceStub(channel)
 
     def exchange(self, messages: Iterator[dpb.RowsMessage]) -> dpb.ExchangeAck:
-        """ModnnExchange: file each message's rows in its job's mailbox."""
+        """SplitExchange: file each message's rows in its job's mailbox."""
         count = 0
         for message in messages:
             try:
                 array, start = decode_rows(message.rows, f"rows of level {message.level} from server {message.sender}")
             except TensorError as exc:
-                raise invalid(f"ModnnExchange: {exc}") from None
+                raise invalid(f"SplitExchange: {exc}") from None
             if not message.job_id or len(message.job_id) > MAX_JOB_ID:
-                raise invalid(f"ModnnExchange: job_id must be 1 to {MAX_JOB_ID} characters")
+                raise invalid(f"SplitExchange: job_id must be 1 to {MAX_JOB_ID} characters")
             self.mailboxes.deliver(message.job_id, message.level, message.sender, array, start)
             count += 1
         return dpb.ExchangeAck(messages=count)
 
-    def run(self, job: Job, active: Callable[[], bool]) -> dpb.ModnnResult:
+    def run(self, job: Job, active: Callable[[], bool]) -> dpb.SplitResult:
         """Run a claimed job to its band of the last level (see the module doc); ``active`` says whether the
         client still waits for it (its waits end CANCELLED once not)."""
-        result = dpb.ModnnResult()
+        result = dpb.SplitResult()
         outgoing: dict[int, Outgoing] = {}
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
         ok = False
@@ -428,7 +429,7 @@ class ModnnService:
                 pieces.sort(key=lambda p: p[0])
                 window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
                 if window.shape[2] != hi - lo:
-                    raise Internal(f"MoDNN job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
+                    raise Internal(f"split job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
                                    f"expected [{lo}, {hi})")
                 queued = time.perf_counter()
                 with self.state.admission.waiting(job.timeout):
@@ -440,7 +441,7 @@ class ModnnService:
                 crop = job.crops[j][job.me]
                 a, b = job.bands[j][job.me]
                 if crop + (b - a) > y.shape[2]:
-                    raise invalid(f"MoDNN job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
+                    raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
                                   f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
                 band = y[:, :, crop:crop + b - a]
             if job.gather_to is None:
@@ -459,7 +460,7 @@ class ModnnService:
                 for out in outgoing.values():
                     out.cancel()
 
-    def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.ModnnResult,
+    def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.SplitResult,
                    deadline: float) -> None:
         """This server's band of the last level, to the server that gathers it."""
         peer, last = job.gather_to, len(job.models)
@@ -472,7 +473,7 @@ class ModnnService:
         result.bytes_sent += piece.nbytes
 
     def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
-                           result: dpb.ModnnResult, active: Callable[[], bool]) -> np.ndarray:
+                           result: dpb.SplitResult, active: Callable[[], bool]) -> np.ndarray:
         """Every peer's band of the last level, stitched with ours, through the tail model: the output."""
         last = len(job.models)
         pieces = [(job.bands[-1][job.me][0], band)]
@@ -495,10 +496,10 @@ class ModnnService:
         try:
             return np.ascontiguousarray(to_rows(output))
         except ValueError as exc:
-            raise invalid(f"ModnnRun: the tail's output: {exc}") from None
+            raise invalid(f"SplitRun: the tail's output: {exc}") from None
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
-              outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.ModnnResult) -> np.ndarray:
+              outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
         """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
         the rows); counted in ``result``."""
         a, b = rows
@@ -522,10 +523,10 @@ class ModnnService:
             if got is not None:
                 return got
             if not active():
-                raise Cancelled(f"MoDNN job {job.id!r} cancelled")
+                raise Cancelled(f"split job {job.id!r} cancelled")
             for out in outgoing.values():
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:
-                raise DeadlineExceeded(f"MoDNN job {job.id!r}: no rows of level {level} from peer {peer} "
+                raise DeadlineExceeded(f"split job {job.id!r}: no rows of level {level} from peer {peer} "
                                        f"({job.peers[peer]}) within {job.timeout:g}s")

@@ -1,4 +1,5 @@
-"""MoDNN's row tables: who owns which rows of every level, and which rows flow between servers.
+"""The row tables of a split plan (every split DeepCo runs, MoDNN's included): who owns which rows of every
+level, and which rows flow between servers.
 
 Pure functions shared by the device (which builds the tables) and the servers (which read them to know
 what to send to whom and what to wait for), so that both sides compute every exchange identically.
@@ -26,7 +27,7 @@ def ownership(weights: Sequence[float], heights: Sequence[int]) -> list[list[Int
     Boundaries are the rounded cumulative fractions, then pushed apart so that every band has a row."""
     n = len(weights)
     if n == 0 or any(not w > 0 for w in weights):
-        raise PlanningError(f"MoDNN needs at least one server and positive capacities, got {list(weights)}")
+        raise PlanningError(f"a split needs at least one server and positive capacities, got {list(weights)}")
     total = sum(weights)
     cumulative = [sum(weights[:i]) / total for i in range(n + 1)]
     tables = []
