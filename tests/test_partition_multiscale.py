@@ -154,3 +154,34 @@ def test_partition_cli_reports_the_split_share(capsys):
     assert code == 0, err
     doc = json.loads(out)
     assert doc["split_share"] == pytest.approx(1.0) and doc["levels"][0]["name"] == "image"
+
+
+@pytest.mark.parametrize(("how", "op"), [("chunk", "Shape"), ("split", "Split")])
+def test_detector_exported_with_ultralytics_c2f_split(partition_ort, monkeypatch, how, op):
+    """Ultralytics' own C2f splits the channels with ``chunk`` (exported as Shape -> Div -> Slice: folded
+    for the size) or ``split`` (an ONNX Split, two outputs: the partitioner follows every output of a
+    node); either export bands like the zoo's."""
+    import torch
+
+    from deepco import zoo
+    from deepco.zoo import yolo
+
+    def forward(self, x):
+        y = self.cv1(x)
+        ys = list(y.chunk(2, 1) if how == "chunk" else y.split((self.c, self.c), 1))
+        ys.extend(m(ys[-1]) for m in self.m)
+        return self.cv2(torch.cat(ys, 1))
+
+    monkeypatch.setattr(yolo.C2f, "forward", forward)
+    height, width = SIZES["yolov8n"]
+    model = zoo.to_onnx(zoo.build("yolov8n"), height, width)
+    assert any(n.op_type == op for n in model.graph.node)
+    part = Partitioner(model, height, width)
+    assert part.stop is None and part.split_share() == pytest.approx(1.0)
+    last = len(part.levels) - 1
+    through = sorted(set(range(3, last + 1, 3)) | {last})
+    bounds = [[*list(range(0, height, s.align))[:4], height] for s in part.stages(through, models=False)]
+    image = np.random.default_rng(11).standard_normal((1, 3, height, width)).astype(np.float32)
+    want = partition_ort(model, {part.graph.input_name: image})
+    got = staged_run(part, through, bounds, image, partition_ort)
+    assert max(_rel(g, w) for g, w in zip(got, want, strict=True)) <= 1e-4

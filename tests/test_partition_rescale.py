@@ -197,3 +197,20 @@ def test_size_the_model_cannot_run_at_is_refused_with_the_nearest_valid_sizes():
     """A stride-2 branch upsampled and added to the full-resolution one runs only at even heights."""
     with pytest.raises(PartitionError, match=r"multiples of 2: nearest 12x6 below, 14x6 above"):
         Partitioner(_branches("Add", "nearest"), 13, 6)
+
+
+@SETTINGS
+@given(height=st.integers(1, 19), data=st.data())
+def test_split_of_the_channels_band_equals_whole(height, data):
+    """torch's chunk exports as Split (Ultralytics' C2f): each output keeps the rows of the input."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, C, 3, 3)).astype(np.float32), "a"),
+             numpy_helper.from_array(rng.standard_normal((2, 2, 3, 3)).astype(np.float32), "b"),
+             numpy_helper.from_array(np.array([2, 2], np.int64), "parts")]
+    nodes = [
+        helper.make_node("Conv", ["x", "a"], ["d"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Split", ["d", "parts"], ["p", "q"], axis=1),
+        helper.make_node("Conv", ["q", "b"], ["r"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["p", "q", "r"], ["y"], axis=1),
+    ]
+    _band_equals_whole(_model(nodes, inits, "y"), height, 5, data)

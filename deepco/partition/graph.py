@@ -223,8 +223,10 @@ class RowGraph:
                 )
             self.rules[i] = rule
             (stride,) = strides
-            self.hw[node.output[0]] = out_hw
-            self.stride[node.output[0]] = stride / rule.rows.scale
+            for out in node.output:  # several for a Split of the channels, each with the same rows
+                if out:
+                    self.hw[out] = out_hw
+                    self.stride[out] = stride / rule.rows.scale
 
     def _set_scales(self, node: onnx.NodeProto, scales: list[float]) -> None:
         """Give a Resize the scales its constant sizes amount to: the same output at this size, and on a
@@ -353,10 +355,10 @@ class RowGraph:
         """Rows of every tensor of ``head`` needed for rows ``targets[t]`` of each target t (union)."""
         need = dict(targets)
         for i in reversed(head):
-            out = self.nodes[i].output[0]
-            if out not in need:
+            outs = [o for o in self.nodes[i].output if o in need]
+            if not outs:
                 continue
-            oa, ob = need[out]
+            oa, ob = min(need[o][0] for o in outs), max(need[o][1] for o in outs)
             lo, hi = self.rules[i].rows.need(oa, ob)
             for name in self.spatial_inputs(i):
                 rlo, rhi = (max(lo, 0), min(hi, self.hw[name][0])) if clip else (lo, hi)
@@ -427,5 +429,7 @@ class RowGraph:
                 bottom = r.offset + r.size == full and r.valid_hi == full
                 rlo, rhi = win.exact(r.offset, r.size, (r.valid_lo, r.valid_hi), top, bottom)
                 lo, hi = max(lo, rlo), min(hi, rhi)
-            rows[self.nodes[i].output[0]] = Rows(offset, size, lo, max(lo, hi))
+            for out in self.nodes[i].output:
+                if out:
+                    rows[out] = Rows(offset, size, lo, max(lo, hi))
         return rows

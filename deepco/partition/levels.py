@@ -165,7 +165,7 @@ def make_levels(p: Partitioner) -> list[Level]:
     positions = [q for q in range(1, end) if g.nodes[q].op_type in _WINDOWED] + ([end] if end else [])
     raw = []
     for q in sorted(set(positions)):
-        made = [g.input_name] + [g.nodes[i].output[0] for i in range(q)]
+        made = [g.input_name] + [o for i in range(q) for o in g.nodes[i].output if o]
         alive = tuple(t for t in made if last_use.get(t, -1) >= q)
         if not alive or any(t not in g.hw for t in alive):
             continue
@@ -197,7 +197,7 @@ def make_stages(p: Partitioner, levels: list[Level], models: bool = False) -> li
     for j in range(1, len(levels)):
         src, dst = levels[j - 1], levels[j]
         nodes = list(range(src.position, dst.position))
-        made = {g.nodes[i].output[0] for i in nodes}
+        made = {o for i in nodes for o in g.nodes[i].output if o}
         reads = {name for i in nodes for name in g.spatial_inputs(i)}
         inputs = [t for t in src.tensors if t in reads]
         outputs = [t for t in dst.tensors if t in made]

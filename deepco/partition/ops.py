@@ -372,6 +372,12 @@ def rule_for(
         return Rule(POINTWISE, POINTWISE)
     if op == "Slice":
         return _slice_rule(node, spatial, const)
+    if op == "Split":
+        # torch's chunk (C2f in Ultralytics' exports) splits channels: every output maps rows one to one
+        axis = _attr(node, "axis", 0)
+        if axis % 4 != 1 or any(spatial[1:]):
+            raise Unsupported(f"Split along axis {axis} (only a split of the channels is row for row)")
+        return Rule(POINTWISE, POINTWISE)
     if op == "Conv":
         if not spatial[0] or any(spatial[1:]):
             raise Unsupported("Conv whose weights depend on the image")

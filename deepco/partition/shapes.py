@@ -19,6 +19,7 @@ import re
 import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
+from onnx.reference import ReferenceEvaluator
 
 from deepco.errors import UserError
 
@@ -71,32 +72,69 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     return shapes
 
 
-def fold_shapes(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelProto:
+def fold_shapes(model: onnx.ModelProto, height: int, width: int, rounds: int = 16) -> onnx.ModelProto:
     """A copy of ``model`` in which every Shape/Size node whose input's shape is known at ``height`` x
-    ``width`` is an initializer holding that shape (the model's inputs keep their dynamic dimensions)."""
+    ``width`` is an initializer holding that shape (the model's inputs keep their dynamic dimensions).
+
+    ONNX's data propagation stops at some operators (torch's ``chunk`` computes its split points with a
+    Div), so shapes further on are unknown until the constants before them are evaluated: fold, evaluate
+    the constant nodes, infer again, for up to ``rounds`` rounds.
+    """
     out = copy.deepcopy(model)
-    if not any(n.op_type in ("Shape", "Size") for n in out.graph.node):
-        return out
-    try:
-        shapes = static_shapes(_infer(with_static_size(out, height, width), strict=False))
-    except Exception:  # a model inference cannot read is reported by check_size, not here
-        return out
+    for _ in range(rounds):
+        if not any(n.op_type in ("Shape", "Size") for n in out.graph.node):
+            break
+        try:
+            shapes = static_shapes(_infer(with_static_size(out, height, width), strict=False))
+        except Exception:  # a model inference cannot read is reported by check_size, not here
+            break
+        kept = []
+        for node in out.graph.node:
+            shape = shapes.get(node.input[0]) if node.op_type in ("Shape", "Size") and node.input else None
+            if shape is None:
+                kept.append(node)
+                continue
+            if node.op_type == "Size":
+                value = np.asarray(int(np.prod(shape)), dtype=np.int64)
+            else:
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+                start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+                value = np.asarray(shape[start:end] if end is not None else shape[start:], dtype=np.int64)
+            out.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+        if len(kept) == len(out.graph.node):
+            break
+        del out.graph.node[:]
+        out.graph.node.extend(kept)
+        _evaluate_constants(out)
+    return out
+
+
+def _evaluate_constants(model: onnx.ModelProto) -> None:
+    """Replace every node whose inputs are all initializers by initializers holding its outputs."""
+    known = {t.name: t for t in model.graph.initializer}
     kept = []
-    for node in out.graph.node:
-        shape = shapes.get(node.input[0]) if node.op_type in ("Shape", "Size") and node.input else None
-        if shape is None:
+    for node in model.graph.node:
+        ins = [name for name in node.input if name]
+        foreign = node.domain not in ("", "ai.onnx")
+        if foreign or node.op_type.startswith("Random") or any(name not in known for name in ins):
             kept.append(node)
             continue
-        if node.op_type == "Size":
-            value = np.asarray(int(np.prod(shape)), dtype=np.int64)
-        else:
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            start, end = attrs.get("start", 0), attrs.get("end", len(shape))
-            value = np.asarray(shape[start:end] if end is not None else shape[start:], dtype=np.int64)
-        out.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
-    del out.graph.node[:]
-    out.graph.node.extend(kept)
-    return out
+        graph = onnx.helper.make_graph(
+            [node], "constant", [],
+            [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o],
+            [known[name] for name in dict.fromkeys(ins)],
+        )
+        try:
+            values = ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=model.opset_import)).run(None, {})
+        except Exception:  # left in the graph: RowGraph's own folding reports what it cannot evaluate
+            kept.append(node)
+            continue
+        for name, value in zip([o for o in node.output if o], values, strict=True):
+            tensor = numpy_helper.from_array(np.asarray(value), name)
+            model.graph.initializer.append(tensor)
+            known[name] = tensor
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
 
 
 def size_problem(model: onnx.ModelProto, height: int, width: int) -> str | None:
