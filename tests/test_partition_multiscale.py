@@ -34,26 +34,19 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 def staged_run(part: Partitioner, through: list[int], bands: list[list[int]], image: np.ndarray,
                ort_run) -> list[np.ndarray]:
-    """Run the stages through levels ``through``: stage j on image-row bands ``bands[j]``, every input read
-    from its window of the stitched level before, every output cropped and stitched; then the tail."""
-    stages = part.stages(through)
-    tensors = {part.graph.input_name: image}
-    for stage, bounds in zip(stages, bands, strict=True):
-        names = [o.name for o in stage.model.graph.output]
-        pieces: dict[str, list[np.ndarray]] = {t: [] for t in names}
+    """Partitioner.run_stages, with every band's crop and every stitched level checked on the way."""
+
+    def run(model, feeds):
+        outs = ort_run(model, feeds)
+        for vi, y in zip(model.graph.output, outs, strict=True):
+            assert y.ndim != 4 or y.shape[2] >= 1, vi.name
+        return outs
+
+    for stage, bounds in zip(part.stages(through, models=False), bands, strict=True):
         for w in stage.bands(bounds):
-            feeds = {t: tensors[t][:, :, lo:hi] for t, (lo, hi) in w.input_rows.items()}
-            for t, y in zip(names, ort_run(stage.model, feeds), strict=True):
-                c0, c1 = w.crop[t]
-                assert 0 <= c0 < c1 <= y.shape[2]
-                pieces[t].append(y[:, :, c0:c1])
-        for t, ps in pieces.items():
-            tensors[t] = np.concatenate(ps, axis=2)
-            assert tensors[t].shape[2] == part.graph.hw[t][0]
-    tail = part.level_tail(through[-1])
-    if tail is None:
-        return [tensors[o] for o in part.graph.outputs]
-    return ort_run(tail, {i.name: tensors[i.name] for i in tail.graph.input})
+            for t, (c0, c1) in w.crop.items():
+                assert 0 <= c0 < c1 and c1 - c0 == w.output_rows[t][1] - w.output_rows[t][0]
+    return part.run_stages(through, bands, image, run)
 
 
 def _bands(draw, part: Partitioner, align: int, most: int = 4) -> list[int]:

@@ -19,10 +19,12 @@ make them meet), and a forward simulation checks that the band's rows of every o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+import numpy as np
 import onnx
 
 from deepco.partition.graph import PartitionError
@@ -223,3 +225,31 @@ def tail_model(p: Partitioner, level: Level) -> onnx.ModelProto | None:
     static = p._with_input_dims((p.height, p.width))
     tail = onnx.utils.Extractor(static).extract_model(list(level.tensors), list(g.outputs))
     return p._finish(tail, f"{level.name}-tail")
+
+
+Runner = Callable[[onnx.ModelProto, dict[str, np.ndarray]], Sequence[np.ndarray]]
+
+
+def run_stages(p: Partitioner, through: list[str | int | Level], bands: list[list[int]], image: np.ndarray,
+               run: Runner) -> list[np.ndarray]:
+    """The reference staged execution, in one process: stage j on the image-row bands ``bands[j]`` (0, ...,
+    height), every band reading its inputs' windows from the stitched tensors of the level before and
+    returning its cropped rows of every output; then the tail on the whole tensors of the last level.
+    ``run(model, feeds)`` runs one ONNX model (e.g. an ONNX Runtime session). Returns the model's outputs."""
+    stages = p.stages(through)
+    if len(bands) != len(stages):
+        raise PartitionError(f"{len(stages)} stages but {len(bands)} lists of band boundaries")
+    tensors = {p.graph.input_name: image}
+    for stage, bounds in zip(stages, bands, strict=True):
+        names = [o.name for o in stage.model.graph.output]
+        pieces: dict[str, list[np.ndarray]] = {t: [] for t in names}
+        for w in stage.bands(bounds):
+            feeds = {t: tensors[t][:, :, lo:hi] for t, (lo, hi) in w.input_rows.items()}
+            for t, y in zip(names, run(stage.model, feeds), strict=True):
+                pieces[t].append(y[:, :, w.crop[t][0] : w.crop[t][1]])
+        for t, parts in pieces.items():
+            tensors[t] = np.concatenate(parts, axis=2)
+    tail = tail_model(p, p.level(through[-1]))
+    if tail is None:
+        return [tensors[o] for o in p.graph.outputs]
+    return list(run(tail, {i.name: tensors[i.name] for i in tail.graph.input}))

@@ -19,7 +19,7 @@ from onnx import shape_inference
 
 from deepco.partition.flops import node_flops
 from deepco.partition.graph import PartitionError, RowGraph, Stop
-from deepco.partition.levels import Level, Stage, make_levels, make_stages, tail_model
+from deepco.partition.levels import Level, Runner, Stage, make_levels, make_stages, run_stages, tail_model
 from deepco.partition.ops import ELEMENTWISE
 from deepco.partition.segments import Segment, make_segments
 
@@ -344,6 +344,10 @@ class Partitioner:
     def level_tail(self, level: str | int | Level) -> onnx.ModelProto | None:
         """The model's outputs from the whole tensors of ``level`` (None when the level holds them all)."""
         return tail_model(self, self.level(level))
+
+    def run_stages(self, through: list[str | int | Level], bands: list[list[int]], image, run: Runner) -> list:
+        """Staged execution in one process (see deepco.partition.levels.run_stages): the model's outputs."""
+        return run_stages(self, through, bands, image, run)
 
     def split_share(self) -> float:
         """Share of the model's FLOPs that stages on row bands can run: the row-local prefix's (0..1)."""
