@@ -17,7 +17,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         metavar="NAME|PATH.onnx",
-        help="a zoo model (resnet18/34/50/101/152, efficientnet-lite0) or an ONNX file",
+        help="a zoo model (resnet18/34/50/101/152, efficientnet-lite0, yolov8n, unet) or an ONNX file",
     )
     p.add_argument("--input-size", required=True, metavar="HxW", help="input height x width, e.g. 224x224")
     p.add_argument(
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Export (or re-check) the model and write it."""
-    from deepco.partition import load_model
+    """Export (or re-check) the model, check that it runs at the size, and write it."""
+    from deepco.partition import check_size, load_model
 
     height, width = parse_size(args.input_size)
     out = Path(args.output)
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise UserError(f"--output: directory {str(out.parent)!r} does not exist")
     model = load_model(args.model, height, width, args.weights)
+    check_size(model, height, width, args.model)
     onnx.save(model, str(out))
     print(f"wrote {out} ({args.model}, input {height}x{width}, dynamic height and width)")
     return 0

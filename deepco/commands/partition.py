@@ -68,6 +68,13 @@ def _table(part, choice, cut, slices, reason: str | None) -> str:
     lines.append(
         f"FLOPs: whole model {part.total_flops:.4g}, head {cut.head_flops:.4g}, tail {cut.tail_flops:.4g}"
     )
+    last = part.levels[-1]
+    lines.append(
+        f"split stages: {part.split_share():.1%} of the FLOPs can run on row bands across scales "
+        f"({len(part.levels) - 1} levels, the last {last.name!r} with {len(last.tensors)} tensor(s) at strides "
+        f"{', '.join(map(str, last.strides))}); this single-tensor cut's head: "
+        f"{cut.head_flops / part.total_flops if part.total_flops else 0:.1%}"
+    )
     head = (
         f"{'slice':>5} {'output rows':>13} {'input rows':>13} {'crop':>11} {'in bytes':>11} "
         f"{'out bytes':>11} {'FLOPs':>11}"
@@ -92,7 +99,7 @@ def _table(part, choice, cut, slices, reason: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Analyse, slice, print; save head/tail/slices.json when asked."""
-    from deepco.partition import Partitioner, choose_cut, load_model
+    from deepco.partition import Partitioner, check_size, choose_cut, load_model
     from deepco.partition.choose import DEFAULT_MAX_HALO
 
     height, width = parse_size(args.input_size)
@@ -103,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     save = Path(args.save) if args.save else None
     if save is not None and save.exists() and not save.is_dir():
         raise UserError(f"--save {str(save)!r} exists and is not a directory")
-    part = Partitioner(load_model(args.model, height, width, args.weights), height, width)
+    model = load_model(args.model, height, width, args.weights)
+    check_size(model, height, width, args.model)
+    part = Partitioner(model, height, width)
     choice = None
     if args.cut == "auto":
         cluster = None
@@ -125,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         "halo": [cut.halo_top, cut.halo_bottom],
         "paper_halo": cut.paper_halo,
         "flops": {"model": part.total_flops, "head": cut.head_flops, "tail": cut.tail_flops},
+        "split_share": part.split_share(),
+        "levels": [{"name": lv.name, "tensors": list(lv.tensors), "strides": list(lv.strides),
+                    "head_flops": lv.head_flops} for lv in part.levels],
         "slices": [s.to_dict() for s in slices],
     }
     if choice is not None:

@@ -1,11 +1,16 @@
 """Graph analysis: which nodes of an ONNX model are row-local, their row rules, and the valid cuts.
 
-``RowGraph`` normalises a copy of the model (constants folded into initializers, auto_pad turned into
-the explicit pads of the full image, a static input shape for shape inference), then walks the nodes
+``RowGraph`` normalises a copy of the model (Shape/Size of tensors whose shape is known at this size
+folded to constants, then every image-independent subgraph folded into initializers, auto_pad turned into
+the explicit pads of the full image, a Resize's constant sizes turned into the scales that give them so a
+band resamples by the same factor, a static input shape for shape inference, which must succeed on the
+whole graph in strict mode: see deepco.partition.shapes), then walks the nodes
 in topological order. Nodes whose row mapping is known and whose image-dependent inputs are all
 row-local form the *partitionable prefix*; the first node that reads a row-local tensor but is not
 itself row-local is where that prefix stops. A *cut* is a row-local tensor that carries all rows:
-nothing after it reads any other image-dependent tensor of its head.
+nothing after it reads any other image-dependent tensor of its head. Tensors have rational strides
+(image rows per tensor row): upsampling divides them. Levels of several tensors (skip connections)
+are built on top of this analysis in deepco.partition.levels.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import onnx
@@ -21,7 +27,8 @@ from onnx import shape_inference
 from onnx.reference import ReferenceEvaluator
 
 from deepco.errors import UserError
-from deepco.partition.ops import Rule, Unsupported, rule_for, to_array
+from deepco.partition.ops import Rule, Unsupported, Window, rule_for, to_array
+from deepco.partition.shapes import SizeError, check_size, fold_shapes
 
 
 class PartitionError(UserError):
@@ -67,7 +74,8 @@ class RowGraph:
 
     def __init__(self, model: onnx.ModelProto, height: int, width: int):
         self.height, self.width = height, width
-        self.model = copy.deepcopy(model)
+        # shapes are constants once the size is fixed: a Shape feeding a Resize's sizes reads no rows
+        self.model = fold_shapes(model, height, width)
         graph = self.model.graph
         init_names = {t.name for t in graph.initializer}
         inputs = [i for i in graph.input if i.name not in init_names]
@@ -106,7 +114,9 @@ class RowGraph:
         self.rules: dict[int, Rule] = {}
         self.stop: Stop | None = None
         self.hw: dict[str, tuple[int, int]] = {self.input_name: (height, width)}
-        self.stride: dict[str, int] = {self.input_name: 1}
+        # image rows per tensor row: a Fraction, since upsampling divides it (integers in practice)
+        self.stride: dict[str, Fraction] = {self.input_name: Fraction(1)}
+        self.opset = next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")), 17)
         self._analyse()
         self.shapes = self._static_shapes()
         self.cut_tensors = self._cuts()
@@ -188,7 +198,7 @@ class RowGraph:
             if not all(name in self.hw for name in ins):
                 continue  # downstream of the stop: not part of the prefix
             try:
-                rule = rule_for(node, spatial, self._const, self._const_shape, self.hw[ins[0]])
+                rule = rule_for(node, spatial, self._const, self._const_shape, self.hw[ins[0]], self.opset)
                 sizes = {self.hw[name] for name in ins}
                 strides = {self.stride[name] for name in ins}
                 if len(sizes) > 1 or len(strides) > 1:
@@ -202,6 +212,8 @@ class RowGraph:
                 continue
             if rule.pads is not None:
                 self._set_pads(node, rule.pads)
+            if rule.scales is not None:
+                self._set_scales(node, rule.scales)
             ((h, w),) = sizes
             out_hw = (rule.rows.out_size(h), rule.cols.out_size(w))
             if min(out_hw) <= 0:
@@ -211,8 +223,28 @@ class RowGraph:
                 )
             self.rules[i] = rule
             (stride,) = strides
-            self.hw[node.output[0]] = out_hw
-            self.stride[node.output[0]] = stride * rule.rows.stride
+            for out in node.output:  # several for a Split of the channels, each with the same rows
+                if out:
+                    self.hw[out] = out_hw
+                    self.stride[out] = stride / rule.rows.scale
+
+    def _set_scales(self, node: onnx.NodeProto, scales: list[float]) -> None:
+        """Give a Resize the scales its constant sizes amount to: the same output at this size, and on a
+        band the band's own size times the factor instead of the whole image's size."""
+        name = f"{node.output[0]}_scales"
+        self.model.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(scales, np.float32), name))
+        self.initializers[name] = self.model.graph.initializer[-1]
+        inputs = list(node.input) + [""] * (3 - len(node.input))
+        inputs[2] = name
+        del node.input[:]
+        node.input.extend(inputs[:3])
+        # drop the sizes constant if nothing else reads it (ONNX Runtime warns about unused initializers)
+        used = {n for other in self.model.graph.node for n in other.input}
+        keep = [t for t in self.model.graph.initializer if t.name in used or t.name in self.outputs]
+        if len(keep) < len(self.model.graph.initializer):
+            del self.model.graph.initializer[:]
+            self.model.graph.initializer.extend(keep)
+            self.initializers = {t.name: t for t in keep}
 
     @staticmethod
     def _set_pads(node: onnx.NodeProto, pads: list[int]) -> None:
@@ -223,6 +255,10 @@ class RowGraph:
 
     def _static_shapes(self) -> dict[str, list[int]]:
         """Shapes of all tensors at batch 1 and the full image size; row sizes checked against ours."""
+        try:
+            check_size(self.model, self.height, self.width)
+        except SizeError as exc:  # one error type for every "cannot partition this" to the callers
+            raise PartitionError(str(exc)) from None
         static = copy.deepcopy(self.model)
         shape = static.graph.input[
             [i.name for i in static.graph.input].index(self.input_name)
@@ -282,13 +318,24 @@ class RowGraph:
                 cuts.append(tensor)
         return cuts
 
-    def alignment(self, head: Iterable[int]) -> int:
-        """The slice start must be a multiple of this: every strided node needs its input offset aligned."""
+    def alignment(self, head: Iterable[int], source: str | None = None) -> int:
+        """The slice start (in rows of ``source``, default the image) must be a multiple of this: every
+        strided node needs its input offset aligned, and every tensor's offset must be a whole row."""
+        base = self.stride[source or self.input_name]
         align = 1
         for i in head:
             first = next(n for n in self.nodes[i].input if n in self._spatial)
-            align = math.lcm(align, self.stride[first] * self.rules[i].rows.stride)
+            for need in (self.stride[first] * self.rules[i].rows.stride, self.stride[self.nodes[i].output[0]]):
+                # a multiple of the fraction p/q (in lowest terms) in whole source rows: of p
+                ratio = Fraction(need) / base
+                align = math.lcm(align, ratio.numerator)
         return align
+
+    def rescales(self, nodes: Iterable[int]) -> bool:
+        """Whether any of ``nodes`` changes the row scale upwards (Resize, ConvTranspose): branches then
+        meet at different strides, and a slice lines them up only if its length is a multiple of the
+        alignment, like the model's own valid sizes."""
+        return any(not isinstance(self.rules[i].rows, Window) for i in nodes)
 
     # ---- row propagation -----------------------------------------------------------------------
 
@@ -300,12 +347,18 @@ class RowGraph:
         self, head: list[int], tensor: str, a: int, b: int, clip: bool = True
     ) -> dict[str, tuple[int, int]]:
         """Rows of every head tensor needed for rows [a, b) of ``tensor`` (union over consumers)."""
-        need = {tensor: (a, b)}
+        return self.backward_all(head, {tensor: (a, b)}, clip)
+
+    def backward_all(
+        self, head: list[int], targets: dict[str, tuple[int, int]], clip: bool = True
+    ) -> dict[str, tuple[int, int]]:
+        """Rows of every tensor of ``head`` needed for rows ``targets[t]`` of each target t (union)."""
+        need = dict(targets)
         for i in reversed(head):
-            out = self.nodes[i].output[0]
-            if out not in need:
+            outs = [o for o in self.nodes[i].output if o in need]
+            if not outs:
                 continue
-            oa, ob = need[out]
+            oa, ob = min(need[o][0] for o in outs), max(need[o][1] for o in outs)
             lo, hi = self.rules[i].rows.need(oa, ob)
             for name in self.spatial_inputs(i):
                 rlo, rhi = (max(lo, 0), min(hi, self.hw[name][0])) if clip else (lo, hi)
@@ -322,6 +375,8 @@ class RowGraph:
         the backward rules got wrong is refused, never returned."""
         lo, hi = self.backward(nodes, target, a, b)[source]
         start = lo - lo % stride
+        if self.rescales(nodes):
+            hi = min(self.hw[source][0], start + -(-(hi - start) // stride) * stride)
         rows = self.forward(nodes, start, hi, source=source)
         out = rows[target]
         if not (out.valid_lo <= a and b <= out.valid_hi):
@@ -332,18 +387,22 @@ class RowGraph:
         computed = 0
         for i in nodes:
             tensor = self.nodes[i].output[0]
-            computed += flops[i] * rows[tensor].size // self.hw[tensor][0]
+            computed += flops[i] * rows[tensor].size // max(self.hw[tensor][0], 1)
         return start, hi, (a - out.offset, b - out.offset), computed
 
-    def forward(self, head: list[int], start: int, stop: int, source: str | None = None) -> dict[str, Rows]:
+    def forward(self, head: list[int], start: int, stop: int, source: str | None = None,
+                windows: dict[str, tuple[int, int]] | None = None) -> dict[str, Rows]:
         """Simulate running the head on image rows [start, stop): each tensor's rows and its exact part.
 
         A row is exact when every row it reads is an exact row, or lies outside the slice on a side
         where the slice border is the image border (the head's zero padding is then the model's own).
         ``source`` (default: the image) is the tensor the nodes of ``head`` start from, for a segment
-        between two cuts whose input rows [start, stop) of that tensor are all exact.
+        between two cuts whose input rows [start, stop) of that tensor are all exact. ``windows`` gives
+        instead the exact rows of each of several source tensors (a multi-tensor level).
         """
-        rows = {source or self.input_name: Rows(start, stop - start, start, stop)}
+        if windows is None:
+            windows = {source or self.input_name: (start, stop)}
+        rows = {name: Rows(lo, hi - lo, lo, hi) for name, (lo, hi) in windows.items()}
         for i in head:
             ins = [rows[n] for n in self.spatial_inputs(i)]
             win = self.rules[i].rows
@@ -356,7 +415,7 @@ class RowGraph:
                     f"{_node_name(self.nodes[i], i)!r}"
                 )
             full = self.hw[self.spatial_inputs(i)[0]][0]
-            offset, size = first.offset // win.stride, win.out_size(first.size)
+            offset, size = win.out_offset(first.offset), win.out_size(first.size)
             if size <= 0:
                 raise PartitionError(
                     f"slice [{start}, {stop}) is too thin for node {_node_name(self.nodes[i], i)!r}"
@@ -366,9 +425,11 @@ class RowGraph:
                 if r.valid_lo >= r.valid_hi:
                     lo, hi = 0, 0
                     break
-                if not (r.offset == 0 and r.valid_lo == 0):
-                    lo = max(lo, -(-(r.valid_lo + win.pad_top) // win.stride))
-                if not (r.offset + r.size == full and r.valid_hi == full):
-                    hi = min(hi, (r.valid_hi - win.extent + win.pad_top) // win.stride + 1)
-            rows[self.nodes[i].output[0]] = Rows(offset, size, lo, max(lo, hi))
+                top = r.offset == 0 and r.valid_lo == 0
+                bottom = r.offset + r.size == full and r.valid_hi == full
+                rlo, rhi = win.exact(r.offset, r.size, (r.valid_lo, r.valid_hi), top, bottom)
+                lo, hi = max(lo, rlo), min(hi, rhi)
+            for out in self.nodes[i].output:
+                if out:
+                    rows[out] = Rows(offset, size, lo, max(lo, hi))
         return rows

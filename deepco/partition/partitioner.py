@@ -19,6 +19,7 @@ from onnx import shape_inference
 
 from deepco.partition.flops import node_flops
 from deepco.partition.graph import PartitionError, RowGraph, Stop
+from deepco.partition.levels import Level, Runner, Stage, make_levels, make_stages, run_stages, tail_model
 from deepco.partition.ops import ELEMENTWISE
 from deepco.partition.segments import Segment, make_segments
 
@@ -124,6 +125,7 @@ class Partitioner:
         self.stop: Stop | None = g.stop
         self._flops = [node_flops(node, g.shapes) for node in g.nodes]
         self.total_flops = sum(self._flops)
+        self._levels: list[Level] | None = None
         tensors = self._maximal(g.cut_tensors)
         names = _readable_names(g, tensors)
         self._heads = {t: g.ancestors(t) for t in g.cut_tensors}
@@ -318,6 +320,38 @@ class Partitioner:
         deepco.partition.segments), or only between the cuts ``through``: segment j maps level j-1 to level
         j, level 0 being the image."""
         return make_segments(self, cut, models=models, through=through)
+
+    @property
+    def levels(self) -> list[Level]:
+        """Multi-tensor cuts: the tensors alive at points of the row-local prefix (deepco.partition.levels)."""
+        if self._levels is None:
+            self._levels = make_levels(self)
+        return self._levels
+
+    def level(self, name: str | int | Level) -> Level:
+        """The level called ``name`` (or of that index)."""
+        if isinstance(name, Level):
+            return name
+        for lv in self.levels:
+            if name in (lv.name, lv.index):
+                return lv
+        raise PartitionError(f"unknown level {name!r} (levels: {', '.join(lv.name for lv in self.levels)})")
+
+    def stages(self, through: list[str | int | Level], models: bool = True) -> list[Stage]:
+        """The stages from the image through the levels ``through`` (in order): a staged plan across scales."""
+        return make_stages(self, [self.levels[0], *(self.level(x) for x in through)], models=models)
+
+    def level_tail(self, level: str | int | Level) -> onnx.ModelProto | None:
+        """The model's outputs from the whole tensors of ``level`` (None when the level holds them all)."""
+        return tail_model(self, self.level(level))
+
+    def run_stages(self, through: list[str | int | Level], bands: list[list[int]], image, run: Runner) -> list:
+        """Staged execution in one process (see deepco.partition.levels.run_stages): the model's outputs."""
+        return run_stages(self, through, bands, image, run)
+
+    def split_share(self) -> float:
+        """Share of the model's FLOPs that stages on row bands can run: the row-local prefix's (0..1)."""
+        return self.levels[-1].head_flops / self.total_flops if self.total_flops else 0.0
 
     def tail_flops(self, cut: str | Cut) -> int:
         """FLOPs of everything after ``cut`` (run once, on the stitched cut tensor)."""

@@ -1,0 +1,211 @@
+"""Shapes at one input size: fold the shape subgraphs, and check that the whole model runs at that size.
+
+Exporters compute sizes in the graph: PyTorch's ``F.interpolate(x, size=skip.shape[2:])`` becomes
+Shape -> Slice -> Concat -> Resize. Once the input size is fixed those are constants; `fold_shapes`
+replaces every Shape/Size whose input shape ONNX shape inference knows by its value, so the chains they
+feed become image-independent (and `RowGraph` folds them into initializers) and the partitioner no longer
+stops at a Shape, which reads no rows.
+
+`check_size` runs ONNX shape inference on the whole graph at the size, in strict mode: a stride-32
+detector asked for 720 rows fails in its neck (an upsampled 23 rows beside 45), and the one-line error
+names the constraint and the nearest sizes above and below that do run.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+from onnx.reference import ReferenceEvaluator
+
+from deepco.errors import UserError
+
+
+class SizeError(UserError):
+    """The model does not run at the asked input size (the message names the nearest sizes that do)."""
+
+
+def _image_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise UserError(f"the model must have exactly one image input, it has {len(inputs)}")
+    return inputs[0]
+
+
+def with_static_size(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelProto:
+    """A copy with the image input fixed to batch 1 and ``height`` x ``width`` (value_info dropped)."""
+    static = copy.deepcopy(model)
+    del static.graph.value_info[:]
+    vi = _image_input(static)
+    dims = vi.type.tensor_type.shape.dim
+    if len(dims) != 4:
+        raise UserError(f"input {vi.name!r} must be 4-d NCHW, it has {len(dims)} dimensions")
+    for d, value in zip(dims, (1, None, height, width), strict=True):
+        if value is None:
+            if not d.HasField("dim_value"):
+                d.Clear()
+                d.dim_value = 3
+            continue
+        d.Clear()
+        d.dim_value = value
+    return static
+
+
+def _infer(model: onnx.ModelProto, strict: bool) -> onnx.ModelProto:
+    return shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
+
+
+def static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Fully known shapes of the tensors of an inferred model."""
+    shapes = {}
+    g = model.graph
+    for vi in [*g.input, *g.value_info, *g.output]:
+        tt = vi.type.tensor_type
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            shapes[vi.name] = [d.dim_value for d in tt.shape.dim]
+    for t in g.initializer:
+        shapes[t.name] = list(t.dims)
+    return shapes
+
+
+def fold_shapes(model: onnx.ModelProto, height: int, width: int, rounds: int = 16) -> onnx.ModelProto:
+    """A copy of ``model`` in which every Shape/Size node whose input's shape is known at ``height`` x
+    ``width`` is an initializer holding that shape (the model's inputs keep their dynamic dimensions).
+
+    ONNX's data propagation stops at some operators (torch's ``chunk`` computes its split points with a
+    Div), so shapes further on are unknown until the constants before them are evaluated: fold, evaluate
+    the constant nodes, infer again, for up to ``rounds`` rounds.
+    """
+    out = copy.deepcopy(model)
+    for _ in range(rounds):
+        if not any(n.op_type in ("Shape", "Size") for n in out.graph.node):
+            break
+        try:
+            shapes = static_shapes(_infer(with_static_size(out, height, width), strict=False))
+        except Exception:  # a model inference cannot read is reported by check_size, not here
+            break
+        kept = []
+        for node in out.graph.node:
+            shape = shapes.get(node.input[0]) if node.op_type in ("Shape", "Size") and node.input else None
+            if shape is None:
+                kept.append(node)
+                continue
+            if node.op_type == "Size":
+                value = np.asarray(int(np.prod(shape)), dtype=np.int64)
+            else:
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+                start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+                value = np.asarray(shape[start:end] if end is not None else shape[start:], dtype=np.int64)
+            out.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+        if len(kept) == len(out.graph.node):
+            break
+        del out.graph.node[:]
+        out.graph.node.extend(kept)
+        _evaluate_constants(out)
+    return out
+
+
+def _evaluate_constants(model: onnx.ModelProto) -> None:
+    """Replace every node whose inputs are all initializers by initializers holding its outputs."""
+    known = {t.name: t for t in model.graph.initializer}
+    kept = []
+    for node in model.graph.node:
+        ins = [name for name in node.input if name]
+        foreign = node.domain not in ("", "ai.onnx")
+        if foreign or node.op_type.startswith("Random") or any(name not in known for name in ins):
+            kept.append(node)
+            continue
+        graph = onnx.helper.make_graph(
+            [node], "constant", [],
+            [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o],
+            [known[name] for name in dict.fromkeys(ins)],
+        )
+        try:
+            values = ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=model.opset_import)).run(None, {})
+        except Exception:  # left in the graph: RowGraph's own folding reports what it cannot evaluate
+            kept.append(node)
+            continue
+        for name, value in zip([o for o in node.output if o], values, strict=True):
+            tensor = numpy_helper.from_array(np.asarray(value), name)
+            model.graph.initializer.append(tensor)
+            known[name] = tensor
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+
+
+def size_problem(model: onnx.ModelProto, height: int, width: int) -> str | None:
+    """Why the whole model cannot run at ``height`` x ``width`` (strict shape inference), or None if it can."""
+    if height <= 0 or width <= 0:
+        return f"the size {height}x{width} is not positive"
+    try:
+        _infer(with_static_size(model, height, width), strict=True)
+    except UserError:
+        raise
+    except Exception as exc:  # InferenceError, ValidationError, ...: the message says which node
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+def _nearest(ok, start: int, step: int, limit: int) -> int | None:
+    value = start + step
+    for _ in range(limit):
+        if value <= 0:
+            return None
+        if ok(value):
+            return value
+        value += step
+    return None
+
+
+def _short(problem: str) -> str:
+    """ONNX's inference error cut to the node and the clash, e.g. "node '/Concat' (Concat): 45 vs 46 rows"."""
+    node = re.search(r"op_type:(\w+), node name: ([^)]*)\)", problem)
+    clash = re.search(r"Inferred=(\d+) Declared=(\d+) Dimension=(\d+)", problem)
+    if node and clash:
+        axis = {"2": "rows", "3": "columns"}.get(clash.group(3), f"entries along axis {clash.group(3)}")
+        return (f"node {node.group(2)!r} ({node.group(1)}) joins tensors of {clash.group(1)} and "
+                f"{clash.group(2)} {axis}")
+    return problem.rstrip(".")
+
+
+def check_size(model: onnx.ModelProto, height: int, width: int, name: str = "the model") -> None:
+    """Raise SizeError (one line) unless the whole model runs at ``height`` x ``width``.
+
+    The line names the failing node and its clash (from ONNX shape inference), the constraint as the
+    smallest power-of-two multiple the model runs at near the asked size (e.g. 32 for a stride-32
+    detector: 704x1280 below and 736x1280 above 720x1280), and the nearest sizes of any kind if closer.
+    """
+    problem = size_problem(model, height, width)
+    if problem is None:
+        return
+    head = f"{name} does not run at {height}x{width}: {_short(problem)}"
+    for m in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+        above = (-(-height // m) * m, -(-width // m) * m)
+        below = (height // m * m, width // m * m)
+        if size_problem(model, *above) is None:
+            break
+    else:
+        raise SizeError(f"{head}; no nearby size runs either")
+    below_ok = min(below) > 0 and size_problem(model, *below) is None
+    text = (f"{head}; it runs at multiples of {m}: nearest "
+            f"{f'{below[0]}x{below[1]}' if below_ok else 'none'} below, {above[0]}x{above[1]} above")
+    # any size closer than those, one axis at a time (the other from the multiple above)
+    near_h = [height] * 2
+    near_w = [width] * 2
+    if size_problem(model, height, above[1]) is not None:
+        ok_h = lambda v: size_problem(model, v, above[1]) is None  # noqa: E731
+        near_h = [_nearest(ok_h, height, -1, m), _nearest(ok_h, height, 1, m)]
+    if size_problem(model, above[0], width) is not None:
+        ok_w = lambda v: size_problem(model, above[0], v) is None  # noqa: E731
+        near_w = [_nearest(ok_w, width, -1, m), _nearest(ok_w, width, 1, m)]
+    closer = []
+    for side, h, w in (("below", near_h[0], near_w[0]), ("above", near_h[1], near_w[1])):
+        if h and w and (h, w) not in (below, above) and size_problem(model, h, w) is None:
+            closer.append(f"{h}x{w} {side}")
+    if closer:
+        text += f" (closest that run: {', '.join(closer)})"
+    raise SizeError(text)
