@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.health import DriftWatch
-            from deepco_device.staged import StagedRunner
+            from deepco_device.runners import StagedRunner
 
             drift = None
             if staged:
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
             start = time.perf_counter()
             latencies = []
-            depth = max(args.depth, len(plan.servers)) if plan.kind == "round-robin" else args.depth
+            depth = max(args.depth, runner.frames_at_once)
             results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, drift=drift)
             for result in results:
                 if log_file:

@@ -17,35 +17,21 @@ all come from it.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import random
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
-import grpc
 import numpy as np
-from deepco_device import pipeline
-from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
 from deepco_device.backpressure import while_busy
-from deepco_device.giveup import GiveUp
-from deepco_device.health import DriftWatch, Health
 from deepco_device.lifecycle import NoRoom
-from deepco_device.measuring import device_session as _session
-from deepco_device.pipeline import RunStopped
-from deepco_device.records import FrameResult
+from deepco_device.runners import RUNNERS, StagedRunner, root_cause
 
 from deepco.errors import UserError
 from deepco.planning.calibration import Timed, choose, fidelity, fit, with_compute_scale
-from deepco.planning.modnn import NOT_A_SERVER
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
-    DEVICE,
     CostModel,
     StagedPlan,
     best_offload,
@@ -56,9 +42,7 @@ from deepco.planning.staged import (
     steps,
     throughput,
 )
-from deepco.wire import deepco_service_pb2 as dpb
-from deepco.wire.client import ServerError, WrongAnswer
-from deepco.wire.rows import encode_rows
+from deepco.wire.client import ServerError
 
 T = TypeVar("T")
 SETTLE_SECONDS = 0.03  # three CFS periods between timed frames: every quota starts a frame refilled
@@ -67,34 +51,7 @@ RUNOFF_WITHIN = 0.25  # calibrated plans this close to the fastest are timed aga
 if TYPE_CHECKING:
     from deepco_device.session import Device
 
-
-class _InFlight:
-    """The gRPC calls of the frames in flight, so that a run that stops can cancel them all at once (a frozen
-    server would otherwise hold each of them until its deadline)."""
-
-    def __init__(self) -> None:
-        self._calls: dict[Any, str] = {}  # call -> the server it waits on
-        self._lock = threading.Lock()
-        self.stopped = threading.Event()
-
-    def add(self, call: Any, server: str) -> None:
-        with self._lock:
-            self._calls[call] = server
-        if self.stopped.is_set():
-            call.cancel()
-
-    def discard(self, call: Any) -> None:
-        with self._lock:
-            self._calls.pop(call, None)
-
-    def cancel_all(self) -> set[str]:
-        """Cancel every call in flight, and every call started from now on; the servers they waited on."""
-        self.stopped.set()
-        with self._lock:
-            calls = dict(self._calls)
-        for call in calls:
-            call.cancel()
-        return set(calls.values())
+__all__ = ["RUNNERS", "SETTLE_SECONDS", "StagedPlanner", "StagedRunner", "round_order", "root_cause"]
 
 
 def _plan_key(plan: StagedPlan) -> str:
@@ -340,7 +297,7 @@ class _Calibration:
             return
         planner, key = self.planner, _plan_key(plan)
         runner.run_frame(self.px)  # warm-up: first runs allocate
-        self.timed[key] = Timed(plan, [runner.run_frame(self.px)[1]["latency"] for _ in range(self.frames)])
+        self.timed[key] = Timed(plan, [runner.run_frame(self.px)[1].latency for _ in range(self.frames)])
         planner._fit(self.timed.values())
         planner.trials.append({"plan": plan.describe(), "predicted": plan.predicted, "measured": self.timed[key].mean,
                                "steps": steps(plan), "step_overhead": planner.step_overhead,
@@ -360,7 +317,7 @@ class _Calibration:
         for i in range(frames):
             for k in round_order(list(runners), i):
                 time.sleep(SETTLE_SECONDS)
-                runoff[k].seconds.append(runners[k].run_frame(self.px)[1]["latency"])
+                runoff[k].seconds.append(runners[k].run_frame(self.px)[1].latency)
         for k, t in runoff.items():
             self.timed[k] = Timed(t.plan, self.timed[k].seconds + t.seconds)
             self.planner.trials.append({"plan": t.plan.describe(), "measured": t.mean, "steps": steps(t.plan),
@@ -381,344 +338,3 @@ class _Calibration:
     def _give_back(self, drop: Callable[[str], bool]) -> None:
         for key in [k for k in self._runners if drop(k)]:
             self._runners.pop(key).close()
-
-
-class StagedRunner:
-    """Runs one StagedPlan on a set-up Device's channels."""
-
-    def __init__(self, device: Device, plan: StagedPlan, *, exchange_timeout: float = 30.0,
-                 timeout: float | None = None, log: Callable[[str], None] | None = None):
-        self.device, self.plan = device, plan
-        self.exchange_timeout = exchange_timeout
-        self.timeout = timeout or max(30.0, 20 * plan.predicted)
-        self.log = log or device.log
-        self.index = {s.name: k for k, s in enumerate(device.cluster.servers)}
-        self.predicted = plan.predicted
-        self._inflight = _InFlight()  # shared with the runners run_frames replans to
-        self.held: list[tuple[str, str]] = []  # (address, model) this runner uploaded: `close` gives them back
-        try:
-            self._prepare()
-        except BaseException:
-            self.close()  # a plan that does not fit leaves nothing behind on the servers it did fit
-            raise
-
-    def close(self) -> None:
-        """Give back the models this runner uploaded: those no other runner of the device uses are unloaded."""
-        for turn in getattr(self, "turns", []):
-            turn.close()
-        held, self.held = self.held, []
-        for problem in self.device.uploads.drop(held):
-            self.log(f"warning: {problem}")
-
-    # ---- setup ----------------------------------------------------------------------------------------
-    def _upload(self, server: str, data: bytes) -> str:
-        """Load (content-addressed, reference-counted: see device.lifecycle) and remember for the device's close."""
-        client = self.device.client(self.index[server], 0)
-        name = self.device.uploads.upload(client, data, self.device.tag)
-        self.held.append((client.address, name))
-        return name
-
-    def _prepare(self) -> None:
-        dev, plan = self.device, self.plan
-        p = dev.partitioner
-        if plan.kind == "local":
-            self.whole = _session(dev.model.SerializeToString())
-            self.whole_input = self.whole.get_inputs()[0].name
-            return
-        if plan.kind == "offload":
-            self.whole_name = self._upload(plan.servers[0], p.whole().SerializeToString())
-            self.whole_input = dev.model.graph.input[0].name
-            self.output_shape = value_shape(dev.model.graph.output[0])  # what the server's answer must be
-            self.output_dtype = value_dtype(dev.model.graph.output[0])
-            return
-        if plan.kind == "round-robin":
-            from deepco.planning.staged import offload_plan_on
-
-            self.turns = []
-            for s, m in zip(plan.servers, plan.antennas, strict=True):
-                self.turns.append(StagedRunner(dev, offload_plan_on(s, m), timeout=self.timeout, log=self.log))
-            self._next = itertools.count()
-            self._turn_lock = threading.Lock()
-            return
-        parts = _stage_models(dev, tuple(plan.levels))
-        data = parts["segments"]
-        self.segment_names = []
-        for server in plan.servers:
-            if server != DEVICE:
-                self.segment_names = [self._upload(server, d) for d in data]
-        if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
-            if "own" not in parts:
-                parts["own"] = _session(data[0])
-            self.own = parts["own"]
-            self.own_input = self.own.get_inputs()[0].name
-        tail = parts["tail"]
-        # What the servers' answers must be: bands of the last level, or the tail's output (as NCHW on the wire)
-        last = p.cut(plan.levels[-1])
-        self.band_shape = (1, last.channels, None, last.width)
-        self.band_dtype = value_dtype(tail.graph.input[0])
-        self.output_shape = value_shape(tail.graph.output[0])
-        self.output_dtype = value_dtype(tail.graph.output[0])
-        if plan.tail is None:
-            if "tail_session" not in parts:
-                parts["tail_session"] = _session(parts["tail_bytes"])
-            self.tail = parts["tail_session"]
-            self.tail_input = self.tail.get_inputs()[0].name
-            self.tail_name = ""
-        else:
-            self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
-        self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
-                      for s in plan.servers]
-        self.row_bytes = dev.channels * dev.width * p.graph.itemsize
-
-    # ---- one frame ------------------------------------------------------------------------------------
-    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        """One frame (1xCxHxW uint8 pixels): (the model's output, timing in seconds). Raises ServerError
-        naming the server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other
-        frames' jobs hold its threads) is waited for with backoff, up to the runner's timeout."""
-        try:
-            return while_busy(lambda: self._run_frame(x), self.timeout, stop=self._inflight.stopped)
-        except ServerError:
-            if self._inflight.stopped.is_set():
-                raise RunStopped("the run stopped") from None
-            raise
-
-    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        if self.plan.kind == "round-robin":
-            with self._turn_lock:
-                turn = self.turns[next(self._next) % len(self.turns)]
-            return turn._run_frame(x)
-        start = time.perf_counter()
-        if self.plan.kind == "local":
-            output = self.whole.run(None, {self.whole_input: x})[0]
-            return output, {"latency": time.perf_counter() - start, "compute": time.perf_counter() - start}
-        if self.plan.kind == "offload":
-            server = self.plan.servers[0]
-            client = self.device.client(self.index[server], self.plan.antennas[0])
-            calls: list[Any] = []
-            try:
-                handle = client.start_run(self.whole_name, {self.whole_input: x}, timeout=self.timeout,
-                                          started=lambda call: (calls.append(call), self._inflight.add(call, server)))
-                if self.device.pace:  # hold the antenna as a split plan's senders do (EMULATED bandwidth)
-                    pause = start + x.nbytes / self.device.measured.antenna_bytes_per_second[self.plan.antennas[0]] \
-                        - time.perf_counter()
-                    if pause > 0:
-                        time.sleep(pause)
-                sent = time.perf_counter() - start
-                outputs, compute, queued = handle.result()
-            finally:
-                for call in calls:
-                    self._inflight.discard(call)
-            what = f"the output of {server}"
-            output = check_tensor(only_output(outputs, what, client.address), self.output_shape, self.output_dtype,
-                                  what, client.address)
-            return output, {"latency": time.perf_counter() - start, "sent": sent, "compute": compute,
-                            "queue": queued, "server": server}
-        return self._split_frame(x, start)
-
-    def request(self, job: str, i: int, x: np.ndarray) -> dpb.ModnnRequest:
-        """The ModnnRequest of participant ``i`` for frame ``x`` under job id ``job``."""
-        plan = self.plan
-        levels = []
-        for j in range(len(plan.bands)):
-            level = dpb.ModnnLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in plan.bands[j]])
-            if j:
-                level.window.extend(dpb.RowRange(start=a, stop=b) for a, b in plan.windows[j])
-                level.crop.extend(plan.crops[j])
-            levels.append(level)
-        a, b = plan.windows[0][i]
-        gather = plan.servers.index(plan.tail) + 1 if plan.tail else 0
-        return dpb.ModnnRequest(job_id=job, segment_models=self.segment_names, server_index=i, peers=self.peers,
-                                levels=levels, input=encode_rows(np.ascontiguousarray(x[:, :, a:b, :]), a),
-                                exchange_timeout_seconds=self.exchange_timeout, lookahead=plan.lookahead,
-                                gather_to=gather, tail_model=self.tail_name if gather == i + 1 else "")
-
-    def _split_frame(self, x: np.ndarray, start: float) -> tuple[np.ndarray, dict[str, Any]]:
-        with contextlib.ExitStack() as calls:
-            return self._split_frame_tracked(x, start, calls)
-
-    def _split_frame_tracked(self, x: np.ndarray, start: float,
-                             calls: contextlib.ExitStack) -> tuple[np.ndarray, dict[str, Any]]:
-        dev, plan = self.device, self.plan
-        job = uuid.uuid4().hex
-        n = len(plan.servers)
-        streams: dict[int, Any] = {}
-        sent_at: dict[int, float] = {}
-        send_start: dict[int, float] = {}
-        failure: list[ServerError] = []
-        crashed: list[BaseException] = []  # a sender's own failure (not the server's): raised here
-        lock = threading.Lock()
-        by_antenna: dict[int, list[int]] = {}
-        remote = [i for i in range(n) if plan.servers[i] != DEVICE]
-        for i in sorted(remote, key=lambda i: plan.order[i]):
-            by_antenna.setdefault(plan.antennas[i], []).append(i)
-
-        def sender(m: int) -> None:
-            for i in by_antenna[m]:
-                client = dev.client(self.index[plan.servers[i]], m)
-                began = time.perf_counter()
-                send_start[i] = began - start
-                try:
-                    events = client.deepco.ModnnRun(self.request(job, i, x), timeout=self.timeout)
-                    self._inflight.add(events, plan.servers[i])
-                    calls.callback(self._inflight.discard, events)
-                    with lock:
-                        streams[i] = events
-                    first = next(events)
-                    if first.WhichOneof("event") != "received":
-                        raise WrongAnswer(client.address, "ModnnRun answered out of order")
-                except grpc.RpcError as exc:
-                    failure.append(ServerError(client.address, exc.code(), exc.details() or ""))
-                    return
-                except ServerError as exc:
-                    failure.append(exc)
-                    return
-                except BaseException as exc:  # noqa: BLE001 - the frame's thread raises it
-                    crashed.append(exc)
-                    return
-                if dev.pace:  # hold the antenna for as long as these bytes take at its bandwidth (EMULATED)
-                    a, b = plan.windows[0][i]
-                    pause = began + (b - a) * self.row_bytes / dev.measured.antenna_bytes_per_second[m] \
-                        - time.perf_counter()
-                    if pause > 0:
-                        time.sleep(pause)
-                sent_at[i] = time.perf_counter() - start
-
-        threads = [threading.Thread(target=sender, args=(m,), daemon=True) for m in by_antenna]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        sent = time.perf_counter() - start
-        results: dict[int, tuple[dpb.ModnnResult, float]] = {}
-        own_band = None
-        if DEVICE in plan.servers and not failure:  # the device's band, while the servers compute theirs
-            i = plan.servers.index(DEVICE)
-            (lo, hi), (a, b) = plan.windows[1][i], plan.bands[1][i]
-            began = time.perf_counter()
-            y = self.own.run(None, {self.own_input: np.ascontiguousarray(x[:, :, lo:hi, :])})[0]
-            crop = plan.crops[1][i]
-            own_band = y[:, :, crop:crop + b - a]
-            results[i] = (dpb.ModnnResult(compute_seconds=time.perf_counter() - began), time.perf_counter() - start)
-
-        def collect(i: int) -> tuple[dpb.ModnnResult, float]:
-            client = dev.client(self.index[plan.servers[i]], plan.antennas[i])
-            try:
-                event = next(streams[i])
-            except grpc.RpcError as exc:
-                raise ServerError(client.address, exc.code(), exc.details() or "") from None
-            except StopIteration:
-                raise ServerError(client.address, grpc.StatusCode.INTERNAL, "job ended without a result") from None
-            if event.WhichOneof("event") != "modnn_result":
-                raise WrongAnswer(client.address, "ModnnRun answered out of order")
-            return event.modnn_result, time.perf_counter() - start
-
-        try:
-            if crashed:
-                raise crashed[0]
-            if failure:
-                raise failure[0]
-            with ThreadPoolExecutor(max_workers=len(remote)) as pool:
-                futures = {pool.submit(collect, i): i for i in remote}
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                errors = [f.exception() for f in done if f.exception() is not None]
-                if errors:
-                    raise root_cause(errors)
-                for f, i in futures.items():
-                    results[i] = f.result()
-        except BaseException:
-            for events in streams.values():
-                events.cancel()
-            raise
-        collected = time.perf_counter()
-        if plan.tail is not None:
-            c = plan.servers.index(plan.tail)
-            address = dev.client(self.index[plan.tail], 0).address
-            rank = len(self.output_shape)  # Rows carry NCHW: a (1, classes) output travels as (1, classes, 1, 1)
-            wire = (*self.output_shape, *([1] * (4 - rank)))
-            array = check_rows(results[c][0].output, 0, wire, self.output_dtype, f"the output of {plan.tail}", address)
-            output = array.reshape(array.shape[:rank])
-            tail_seconds = 0.0
-            began = collected
-        else:
-            pieces = []
-            for i in range(n):
-                if plan.servers[i] == DEVICE:
-                    pieces.append(own_band)
-                    continue
-                a, b = plan.bands[-1][i]
-                band = (*self.band_shape[:2], b - a, self.band_shape[3])
-                what = f"the band of {plan.servers[i]}"
-                pieces.append(check_rows(results[i][0].output, a, band, self.band_dtype, what,
-                                         dev.client(self.index[plan.servers[i]], 0).address))
-            stitched = np.ascontiguousarray(np.concatenate(pieces, axis=2))
-            began = time.perf_counter()
-            output = self.tail.run(None, {self.tail_input: stitched})[0]
-            tail_seconds = time.perf_counter() - began
-        end = time.perf_counter()
-        timing: dict[str, Any] = {"latency": end - start, "sent": sent, "collected": collected - start,
-                                  "stitch": began - collected, "tail": tail_seconds, "servers": []}
-        for i in range(n):
-            r, finish = results[i]
-            timing["servers"].append({
-                "name": plan.servers[i], "antenna": plan.antennas[i], "rows": list(plan.windows[0][i]),
-                "band": list(plan.bands[-1][i]), "send_start": send_start.get(i, 0.0),
-                "received": sent_at.get(i, 0.0), "finish": finish, "compute": r.compute_seconds,
-                "exchange_wait": r.exchange_wait_seconds, "queue": r.queue_seconds,
-                "messages_received": r.messages_received, "messages_sent": r.messages_sent,
-                "bytes_received": r.bytes_received, "bytes_sent": r.bytes_sent})
-        return output, timing
-
-    # ---- a stream of frames ---------------------------------------------------------------------------
-    def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
-                   replan: Callable[[set[str]], StagedPlan] | None = None,
-                   give_up: GiveUp | None = None, drift: DriftWatch | None = None) -> Iterator[FrameResult]:
-        """Every input's result in order, ``depth`` frames in flight (device.pipeline). A server that fails,
-        or answers wrongly (a tensor that does not fit the plan), is left out of a new plan (``replan(down)``)
-        and the frame is run again on it; a frame that fails pipeline.MAX_RETRIES times (or with no server left) yields
-        an explicit error. Nothing is lost. Down servers are probed and rejoin; with ``drift`` a server or
-        antenna persistently off the plan is re-profiled and the device replans (device.health).
-
-        Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too long,
-        after cancelling the calls in flight; a failure of the device's own code or of the frame source is a
-        one-line UserError."""
-        inflight = self._inflight
-
-        def make(plan: StagedPlan) -> StagedRunner:
-            runner = StagedRunner(self.device, plan, exchange_timeout=self.exchange_timeout, log=self.log)
-            runner._inflight = inflight  # one set of calls to cancel, whichever runner started them
-            return runner
-
-        health = Health(self.device, self, make, replan, self._ready, self._server_of, drift)
-        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight)
-
-    def _ready(self, server: str) -> bool:
-        return self.device.pool.ready(server)
-
-    def _server_of(self, address: str) -> str | None:
-        """The server listening at ``address`` (on any antenna)."""
-        return self.device.pool.server_at(address)
-
-
-def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
-    """The segment models (bytes) and the tail (model, bytes; ORT sessions added by the runners) of a chain of
-    levels, extracted once per device: a replan onto the same levels (failover, drift, rejoin) then costs
-    no model extraction."""
-    parts = device.stage_models.get(levels)
-    if parts is None:
-        p = device.partitioner
-        segments = p.segments(levels[-1], models=True, through=list(levels[:-1]))
-        _, tail = p.split(levels[-1])
-        parts = {"segments": [seg.model.SerializeToString() for seg in segments], "tail": tail,
-                 "tail_bytes": tail.SerializeToString()}
-        device.stage_models[levels] = parts
-    return parts
-
-
-def root_cause(errors: list[BaseException]) -> BaseException:
-    """Of several servers' failures, the one that names the cause rather than a consequence (a cancelled
-    job, or a peer that stopped waiting because of it)."""
-    def rank(exc: BaseException) -> int:
-        code = getattr(exc, "code", None)
-        return {grpc.StatusCode.CANCELLED: 2, grpc.StatusCode.DEADLINE_EXCEEDED: 1}.get(code, 0)
-
-    return min(errors, key=rank)
