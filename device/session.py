@@ -127,7 +127,7 @@ class Device:
     def planner(self):
         """The staged planner on this device's measurements (device.staged.StagedPlanner), made once."""
         if self._planner is None:
-            from deepco_device.staged import StagedPlanner
+            from deepco_device.planner import StagedPlanner
 
             self._planner = StagedPlanner(self)
         return self._planner
