@@ -22,10 +22,9 @@ from deepco_device.runners import StagedRunner
 
 from deepco.errors import UserError
 from deepco.planning import calibration
-from deepco.planning.calibration import Unfit, plan_key, with_compute_scale
+from deepco.planning.calibration import Unfit, plan_key
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
-    CostModel,
     Rates,
     StagedPlan,
     best_offload,
@@ -49,28 +48,25 @@ class StagedPlanner:
         if device.measured is None:
             raise UserError("StagedPlanner needs a Device that is set up (Device.setup())")
         self.device = device
-        out = device.reference_model.graph.output[0].type.tensor_type.shape.dim
-        out_bytes = 4 * int(np.prod([d.dim_value or 1 for d in out]))  # float32 (batch 1)
-        image_bytes = device.channels * device.height * device.width * device.partitioner.graph.itemsize
-        self.costs = CostModel(device.partitioner, image_bytes, out_bytes)
-        self.step_overhead = 0.0
-        self.compute_scale = 1.0
+        self.costs = device.costs
         self.trials: list[dict] = []  # what calibrate() timed
         self.room: dict[str, int] | None = None  # free model slots per server (`free_slots`); None: not counted
         self.unfit_plans = 0  # candidates the last `plans` left out for want of model slots
 
+    # calibration's fit lives with the device's measurements: every planner and the paper's plans share it
+    compute_scale = property(lambda self: self.device.measurements.compute_scale,
+                             doc="The servers' FLOP rate on this model against the profiled head (fitted).")
+    step_overhead = property(lambda self: self.device.measurements.step_overhead,
+                             doc="The fixed cost of one server step, seconds (fitted).")
+
     def rates(self, exclude: Iterable[str] = ()) -> Rates:
-        """The measured rates (with the fitted step overhead), without the servers in ``exclude``."""
-        r = with_compute_scale(self.device.measured.rates(), self.compute_scale)
-        r.step_overhead = self.step_overhead
-        for name in exclude:
-            r.server_flops_per_second.pop(name, None)
-        return r
+        """The measured rates (with the fitted compute scale and step overhead), without the servers in
+        ``exclude``."""
+        return self.device.rates(exclude)
 
     def servers(self, exclude: Iterable[str] = ()) -> list[str]:
         """Names of the usable servers, in cluster order."""
-        skip = set(exclude)
-        return [s.name for s in self.device.cluster.servers if s.name not in skip]
+        return self.device.servers(exclude)
 
     def plans(self, objective: str = "latency", exclude: Iterable[str] = (), shapes: str = "all",
               rates: Rates | None = None) -> list[StagedPlan]:
@@ -132,7 +128,7 @@ class StagedPlanner:
             self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
             frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
             compute_scale=self.compute_scale, step_overhead=self.step_overhead)
-        self.compute_scale, self.step_overhead = result.compute_scale, result.step_overhead
+        dev.measurements.compute_scale, dev.measurements.step_overhead = result.compute_scale, result.step_overhead
         self.trials += result.trials
         return result.plan
 

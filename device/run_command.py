@@ -86,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.health import DriftWatch
+            from deepco_device.planner import StagedPlanner
             from deepco_device.runners import StagedRunner
 
             drift = None
             if staged:
-                planner = dev.planner
+                planner = StagedPlanner(dev)
                 plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
                 print(dev.describe_measurements(), flush=True)
                 print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 plan = dev.plan
                 print(dev.describe_plan(), flush=True)
                 replan = dev.replan(args.algorithm)
-                drift = DriftWatch(dev.planner.costs, dev.measured)
+                drift = DriftWatch(dev.costs, dev.measured)
             runner = StagedRunner(dev, plan)
             predicted = plan.predicted
 

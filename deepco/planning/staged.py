@@ -53,7 +53,7 @@ class Rates:
     device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal one byte sent or received
     paced: bool = False
     # fixed cost of one server step (a stage, a gather, an offload): the message, the ORT call and Python
-    # under the server's CPU share; fitted at setup from timed frames (device.staged.StagedPlanner.calibrate)
+    # under the server's CPU share; fitted at setup from timed frames (deepco.planning.calibration.calibrate)
     step_overhead: float = 0.0
 
     def to_dict(self) -> dict:
