@@ -84,6 +84,8 @@ class ModnnRunner:
         # MoDNN is one shape of staged plan: a stage per cut, bands from the image on (no lookahead), the tail
         # on the device; the staged runtime runs it (and uploads its segment models)
         position = {i: (m, k) for m, group in enumerate(self.groups) for k, i in enumerate(group)}
+        self.prediction = self._predict()
+        self.predicted: float = self.prediction["frame"]
         self.plan = StagedPlan(algorithm, "split", servers=[s.name for s in servers],
                                antennas=[position[i][0] for i in range(len(servers))],
                                order=[position[i][1] for i in range(len(servers))],
@@ -91,10 +93,7 @@ class ModnnRunner:
                                windows=[list(self.bands[0])] + [[w.input_rows for w in level]
                                                                for level in self.windows[1:]],
                                crops=[[]] + [[w.crop[0] for w in level] for level in self.windows[1:]],
-                               lookahead=False, tail=None)
-        self.prediction = self._predict()
-        self.predicted: float = self.prediction["frame"]
-        self.plan.predicted, self.plan.breakdown = self.predicted, self.prediction
+                               lookahead=False, tail=None, predicted=self.predicted, breakdown=self.prediction)
         self.staged = StagedRunner(device, self.plan, exchange_timeout=exchange_timeout, timeout=timeout)
         self.model_names = self.staged.segment_names
 
