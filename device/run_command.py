@@ -15,6 +15,7 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
+from deepco.planning.staged import StagedPlan
 from deepco.wire import security
 
 
@@ -31,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fused hybrids, see README); local: the device alone; offload: the whole model on the best "
                         "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
                         "server, equal rows (a naive baseline)")
+    p.add_argument("--plan", default=None, metavar="F.json",
+                   help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
+                        "failover replans as auto does")
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
                    help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
     failures = 0
     try:
-        staged = args.algorithm in ("auto", "local", "offload")
+        staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
                     weights=args.weights, pace=args.pace, depth=args.depth,
                     log=lambda line: print(line, flush=True), security=security.from_args(args),
@@ -92,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             drift = None
             if staged:
                 planner = StagedPlanner(dev)
-                plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
+                plan = _staged_plan(args, planner, dev)
                 print(dev.describe_measurements(), flush=True)
                 print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
                       f"{planner.fps(plan):.2f} fps", flush=True)
@@ -153,6 +157,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _staged_plan(args: argparse.Namespace, planner, dev) -> StagedPlan:
+    """The plan a staged run runs: the one saved in ``--plan``, auto's (calibrated) or the named one."""
+    if args.plan is not None:
+        from deepco_device.plan_command import load_plan
+
+        return load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
+    return planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
 
 
 def _seeded(model: str, weights: str | None) -> bool:
