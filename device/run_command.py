@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -89,23 +90,9 @@ def run(args: argparse.Namespace) -> int:
             if shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            from deepco_device.health import DriftWatch
-            from deepco_device.planner import StagedPlanner
             from deepco_device.runners import StagedRunner
 
-            drift = None
-            if staged:
-                planner = StagedPlanner(dev)
-                plan = _staged_plan(args, planner, dev)
-                print(dev.describe_measurements(), flush=True)
-                print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
-                      f"{planner.fps(plan):.2f} fps", flush=True)
-                replan = lambda down: planner.best(args.objective, exclude=down)  # noqa: E731
-            else:  # the paper's plan; failover replans with the same algorithm, and drift re-profiles
-                plan = dev.plan
-                print(dev.describe_plan(), flush=True)
-                replan = dev.replan(args.algorithm)
-                drift = DriftWatch(dev.costs, dev.measured)
+            plan, replan, drift = _plan(args, dev, staged)
             runner = StagedRunner(dev, plan)
             predicted = plan.predicted
 
@@ -157,6 +144,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _plan(args: argparse.Namespace, dev, staged: bool) -> tuple[StagedPlan, Callable, object]:
+    """The plan to run (printed), how failover replans, and the drift watch (None: none)."""
+    from deepco_device.health import DriftWatch
+    from deepco_device.planner import StagedPlanner
+
+    if staged:
+        planner = StagedPlanner(dev)
+        plan = _staged_plan(args, planner, dev)
+        print(dev.describe_measurements(), flush=True)
+        print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
+              f"{planner.fps(plan):.2f} fps", flush=True)
+        return plan, lambda down: planner.best(args.objective, exclude=down), None
+    # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+    print(dev.describe_plan(), flush=True)
+    return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured)
 
 
 def _staged_plan(args: argparse.Namespace, planner, dev) -> StagedPlan:
