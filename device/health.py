@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from deepco_device.records import Measurements
+from deepco_device.records import FrameTiming, Measurements
 
 from deepco.errors import UserError
 from deepco.planning.staged import DEVICE, CostModel, StagedPlan
@@ -55,20 +55,20 @@ class DriftWatch:
         transfer = (b - a) * self.costs.row_bytes(None) / m.antenna_bytes_per_second[plan.antennas[i]]
         return flops / m.server_flops_per_second[plan.servers[i]], transfer + m.request_overhead
 
-    def observe(self, plan: StagedPlan, timing: dict[str, Any]) -> list[str]:
+    def observe(self, plan: StagedPlan, timing: FrameTiming) -> list[str]:
         """Feed one frame's timing of ``plan``; what was rescaled (empty: nothing), e.g. ``server s0 at 3.10x
         the planned time``."""
         if self.threshold <= 0 or plan.kind != "split":
             return []
         samples: dict[str, float] = {}
-        for i, s in enumerate(timing.get("servers", [])):
-            if s["name"] == DEVICE:
+        for i, s in enumerate(timing.servers):
+            if s.name == DEVICE:
                 continue
             compute, transfer = self.planned(plan, i)
             if compute > 0:
-                samples[f"server {s['name']}"] = s["compute"] / compute
+                samples[f"server {s.name}"] = s.compute / compute
             if not self.measured.paced and transfer > 1e-3:
-                samples.setdefault(f"antenna {s['antenna']}", (s["received"] - s["send_start"]) / transfer)
+                samples.setdefault(f"antenna {s.antenna}", (s.received - s.send_start) / transfer)
         changed = []
         with self._lock:
             for key, ratio in samples.items():
@@ -188,7 +188,7 @@ class Health:
             self.device.events.append({"event": "up", "server": name, "at": time.perf_counter()})
             self.device.log(f"server {name} is back; replanned: {new.plan.describe()}")
 
-    def observe(self, runner, timing: dict[str, Any]) -> None:
+    def observe(self, runner, timing: FrameTiming) -> None:
         """Drift: feed a successful frame's timing; replan when a rate was rescaled."""
         if self.drift is None or self.replan is None:
             return

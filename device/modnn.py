@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 from deepco_device.backpressure import while_busy
+from deepco_device.records import FrameTiming
+from deepco_device.runners import StagedRunner
 from deepco_device.session import Device
-from deepco_device.staged import StagedRunner
 
 from deepco.errors import UserError
 from deepco.partition import Segment
@@ -83,6 +84,8 @@ class ModnnRunner:
         # MoDNN is one shape of staged plan: a stage per cut, bands from the image on (no lookahead), the tail
         # on the device; the staged runtime runs it (and uploads its segment models)
         position = {i: (m, k) for m, group in enumerate(self.groups) for k, i in enumerate(group)}
+        self.prediction = self._predict()
+        self.predicted: float = self.prediction["frame"]
         self.plan = StagedPlan(algorithm, "split", servers=[s.name for s in servers],
                                antennas=[position[i][0] for i in range(len(servers))],
                                order=[position[i][1] for i in range(len(servers))],
@@ -90,12 +93,9 @@ class ModnnRunner:
                                windows=[list(self.bands[0])] + [[w.input_rows for w in level]
                                                                for level in self.windows[1:]],
                                crops=[[]] + [[w.crop[0] for w in level] for level in self.windows[1:]],
-                               lookahead=False, tail=None)
+                               lookahead=False, tail=None, predicted=self.predicted, breakdown=self.prediction)
         self.staged = StagedRunner(device, self.plan, exchange_timeout=exchange_timeout, timeout=timeout)
         self.model_names = self.staged.segment_names
-        self.prediction = self._predict()
-        self.predicted: float = self.prediction["frame"]
-        self.plan.predicted, self.plan.breakdown = self.predicted, self.prediction
 
     # ---- setup ----------------------------------------------------------------------------------------
     def _check_room(self) -> None:
@@ -157,14 +157,13 @@ class ModnnRunner:
         return self.staged.request(job, server, x)
 
     # ---- running --------------------------------------------------------------------------------------
-    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        """One frame (1x3xHxW uint8 pixels) through MoDNN: (the model's output, timing dict in seconds).
+    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        """One frame (1x3xHxW uint8 pixels) through MoDNN: (the model's output, its timing; the prediction
+        is ``predicted``).
 
         Raises ServerError naming the server (or, from a server, the peer) that failed; the other servers'
         jobs are cancelled so they clean up at once."""
-        output, timing = self.staged.run_frame(x)
-        timing["predicted"] = self.predicted
-        return output, timing
+        return self.staged.run_frame(x)
 
     def unload(self) -> None:
         """Unload the segment models from every server."""

@@ -15,12 +15,11 @@ import queue
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
 
 import numpy as np
 from deepco_device.giveup import TICK, GaveUp, GiveUp
 from deepco_device.health import Health
-from deepco_device.records import FrameResult, ServerTiming
+from deepco_device.records import FrameResult, FrameTiming, ServerTiming
 
 from deepco.errors import UserError
 from deepco.planning.staged import StagedPlan
@@ -33,26 +32,26 @@ class RunStopped(UserError):
     """The run stopped (gave up) while this frame was in flight: its calls were cancelled."""
 
 
-def timeline(result: FrameResult, timing: dict[str, Any], plan: StagedPlan, offset: float,
+def timeline(result: FrameResult, timing: FrameTiming, plan: StagedPlan, offset: float,
              recovered_from: str | None) -> None:
     """Fill ``result``'s breakdown from a runner's ``timing`` of one try that began ``offset`` seconds after
     the frame: per participant its send, transfer (until it reported its input received, at most what its
     own times leave), queue, compute and the rest (exchanges, the answer's return); the hand-over to the
     stitch (``dispatch``), the stitch and the tail. They add up to ``result.latency``."""
     result.staged = timing
-    result.stitch, result.tail = timing.get("stitch", 0.0), timing.get("tail", 0.0)
+    result.stitch, result.tail = timing.stitch, timing.tail
     servers = []
-    for s in timing.get("servers", []):
-        send, finish = offset + s["send_start"], offset + s["finish"]
+    for s in timing.servers:
+        send, finish = offset + s.send_start, offset + s.finish
         total = finish - send
-        transfer = max(0.0, min(s["received"] - s["send_start"], total - s["compute"] - s["queue"]))
-        servers.append(ServerTiming(s["name"], s["antenna"], tuple(s["band"]), send, transfer, s["queue"],
-                                    s["compute"], total - transfer - s["queue"] - s["compute"], finish, recovered_from))
-    if "server" in timing:  # offload: the whole model on one server
-        total = timing["latency"]
-        transfer = max(0.0, min(timing["sent"], total - timing["compute"] - timing["queue"]))
-        servers.append(ServerTiming(timing["server"], plan.antennas[0], (0, 0), offset, transfer, timing["queue"],
-                                    timing["compute"], total - transfer - timing["queue"] - timing["compute"],
+        transfer = max(0.0, min(s.received - s.send_start, total - s.compute - s.queue))
+        servers.append(ServerTiming(s.name, s.antenna, s.band, send, transfer, s.queue,
+                                    s.compute, total - transfer - s.queue - s.compute, finish, recovered_from))
+    if timing.server is not None:  # offload: the whole model on one server
+        total = timing.latency
+        transfer = max(0.0, min(timing.sent, total - timing.compute - timing.queue))
+        servers.append(ServerTiming(timing.server, plan.antennas[0], (0, 0), offset, transfer, timing.queue,
+                                    timing.compute, total - transfer - timing.queue - timing.compute,
                                     offset + total, recovered_from))
     result.servers = servers
     critical = max((t.finish for t in servers), default=offset)
@@ -93,7 +92,7 @@ def run_frames(health: Health, inputs: Iterable[np.ndarray], depth: int, give_up
             now = time.perf_counter()
             result.output, result.error = output, None  # an earlier try's failure was recovered from
             result.latency = now - began
-            timeline(result, timing, current.plan, now - timing["latency"] - began, recovered_from)
+            timeline(result, timing, current.plan, now - timing.latency - began, recovered_from)
             health.observe(current, timing)
             return result
         result.latency = time.perf_counter() - began

@@ -12,34 +12,75 @@ import json
 import sys
 from dataclasses import asdict
 
+from deepco_device.planner import StagedPlanner
 from deepco_device.session import ALGORITHMS, Device
 
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
+from deepco.planning.staged import DEVICE, StagedPlan
 from deepco.wire import security
+
+STAGED = ("auto", "local", "offload", "round-robin")  # the staged planner's plans (auto: calibrated on the servers)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, plan and print one plan for ``args.model`` on the servers of ``args.cluster``."""
-    if args.algorithm not in ALGORITHMS:
+    """Measure, plan and print one plan for ``args.model`` on the servers of ``args.cluster`` (and with
+    ``args.save`` write it for `deepco run --plan`)."""
+    if args.algorithm not in (*ALGORITHMS, *STAGED):
         raise UserError(f"--algorithm {args.algorithm} plans the abstract workload only; with --model choose "
-                        f"one of {', '.join(ALGORITHMS)}")
+                        f"one of {', '.join(ALGORITHMS)}, or the staged planner's {', '.join(STAGED)}")
     height, width = parse_size(args.input_size)
     how = modelcard.from_args(args.model, args)
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     # With --json, stdout holds exactly one JSON object; progress goes to stderr.
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
-    with Device(cluster, args.model, height, width, algorithm=args.algorithm, cut=args.cut, weights=args.weights,
-                log=log, security=security.from_args(args), preprocessing=how) as dev:
-        dev.setup()
+    staged = args.algorithm in STAGED
+    with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
+                weights=args.weights, log=log, security=security.from_args(args), preprocessing=how) as dev:
+        if staged:
+            dev.setup(rows=False)
+            planner = StagedPlanner(dev)
+            plan = planner.calibrate() if args.algorithm == "auto" else planner.named(args.algorithm)
+        else:
+            plan = dev.setup()
+        if getattr(args, "save", None):
+            save_plan(args.save, args.model, height, width, plan)
         if args.json:  # plan: the paper's rows; staged: the same plan as the runtime executes it
-            print(json.dumps({"model": args.model, "input_size": [height, width], "cut": asdict(dev.cut),
-                              "measured": dev.measured.to_dict(), "plan": dev.plan.breakdown["rows"],
-                              "staged": dev.plan.to_dict()}))
+            rows = {} if staged else {"cut": asdict(dev.cut)}
+            out = {"model": args.model, "input_size": [height, width], **rows, "measured": dev.measured.to_dict()}
+            rows = {} if staged else {"plan": plan.breakdown["rows"]}
+            print(json.dumps(out | rows | {"staged": plan.to_dict()}))
+        elif staged:
+            print(dev.describe_measurements())
+            print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, {planner.fps(plan):.2f} fps")
         else:
             print(dev.describe_plan())
     return 0
+
+
+def save_plan(path: str, model: str, height: int, width: int, plan: StagedPlan) -> None:
+    """Write ``plan`` (with the model and input size it was made for) for `deepco run --plan`."""
+    with open(path, "w") as f:
+        json.dump({"model": model, "input_size": [height, width], "plan": plan.to_dict()}, f, indent=1)
+
+
+def load_plan(path: str, model: str, height: int, width: int, servers: list[str]) -> StagedPlan:
+    """The plan `save_plan` wrote to ``path``; a UserError when it was made for another model or input size,
+    or names a server the cluster has not."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        plan = StagedPlan.from_dict(data["plan"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--plan {path}: not a plan saved by `deepco plan --save` ({exc})") from None
+    if data.get("model") != model or data.get("input_size") != [height, width]:
+        raise UserError(f"--plan {path} was made for {data.get('model')} at {data.get('input_size')}, not for "
+                        f"{model} at {[height, width]}")
+    unknown = sorted(set(plan.servers) - set(servers) - {DEVICE})
+    if unknown:
+        raise UserError(f"--plan {path} uses server(s) {', '.join(unknown)} that the cluster file does not name")
+    return plan
 

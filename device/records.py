@@ -39,6 +39,68 @@ class Measurements:
                      self.device_seconds_per_byte, self.paced)
 
 
+@dataclass(frozen=True)
+class ServerStep:
+    """One participant's part of one split frame as the runner saw it (seconds from the frame's start) and as
+    the server reported it (its own compute, queue and exchange times, messages and bytes)."""
+
+    name: str
+    antenna: int
+    rows: tuple[int, int]  # the image rows it was sent
+    band: tuple[int, int]  # its band of the plan's last level
+    send_start: float = 0.0
+    received: float = 0.0  # the server reported its input received
+    finish: float = 0.0  # its result was in
+    compute: float = 0.0
+    exchange_wait: float = 0.0
+    queue: float = 0.0
+    messages_received: int = 0
+    messages_sent: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+
+    def to_dict(self) -> dict:
+        """JSON form (the --json-log's ``staged.servers`` entries)."""
+        return {"name": self.name, "antenna": self.antenna, "rows": list(self.rows), "band": list(self.band),
+                "send_start": self.send_start, "received": self.received, "finish": self.finish,
+                "compute": self.compute, "exchange_wait": self.exchange_wait, "queue": self.queue,
+                "messages_received": self.messages_received, "messages_sent": self.messages_sent,
+                "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent}
+
+
+@dataclass(frozen=True)
+class FrameTiming:
+    """One frame's timing as a runner measured it (seconds from the frame's start), read by the pipeline's
+    timeline, drift and the JSON log alike. A local frame has ``latency`` and ``compute``; an offloaded one
+    also ``sent``, ``queue`` and ``server``; a split one ``sent``, ``collected``, ``stitch``, ``tail`` and a
+    step per participant (``servers``)."""
+
+    latency: float
+    sent: float = 0.0
+    compute: float = 0.0  # local: the device's; offload: the server's own ONNX Runtime time
+    queue: float = 0.0
+    server: str | None = None  # offload: the server that ran the whole model
+    collected: float = 0.0
+    stitch: float = 0.0
+    tail: float = 0.0
+    servers: tuple[ServerStep, ...] = ()
+    captured: float | None = None  # when the frame was captured (perf_counter), where the source says
+
+    def to_dict(self) -> dict:
+        """JSON form (the --json-log's ``staged`` field): the fields of the frame's kind, as they were named."""
+        if self.servers:
+            out = {"latency": self.latency, "sent": self.sent, "collected": self.collected, "stitch": self.stitch,
+                   "tail": self.tail, "servers": [s.to_dict() for s in self.servers]}
+        elif self.server is not None:
+            out = {"latency": self.latency, "sent": self.sent, "compute": self.compute, "queue": self.queue,
+                   "server": self.server}
+        else:
+            out = {"latency": self.latency, "compute": self.compute}
+        if self.captured is not None:
+            out["captured"] = self.captured
+        return out
+
+
 @dataclass
 class ServerTiming:
     """One participant of one frame, measured on the device (seconds from the frame's start; see
@@ -68,7 +130,7 @@ class FrameResult:
     stitch: float = 0.0
     tail: float = 0.0
     servers: list[ServerTiming] = field(default_factory=list)
-    staged: dict | None = None  # a staged plan's timeline (device.staged: sent, collected, tail, per server)
+    staged: FrameTiming | None = None  # the runner's own timing of the try that succeeded
 
     def log_record(self, predicted: float) -> dict:
         """The --json-log line of this frame."""
@@ -78,5 +140,5 @@ class FrameResult:
                                "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,
                                "finish": s.finish, "recovered_from": s.recovered_from} for s in self.servers]}
         if self.staged is not None:
-            record["staged"] = self.staged
+            record["staged"] = self.staged.to_dict()
         return record

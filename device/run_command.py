@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
+from deepco.planning.staged import StagedPlan
 from deepco.wire import security
 
 
@@ -31,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fused hybrids, see README); local: the device alone; offload: the whole model on the best "
                         "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
                         "server, equal rows (a naive baseline)")
+    p.add_argument("--plan", default=None, metavar="F.json",
+                   help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
+                        "failover replans as auto does")
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
                    help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
     failures = 0
     try:
-        staged = args.algorithm in ("auto", "local", "offload")
+        staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
                     weights=args.weights, pace=args.pace, depth=args.depth,
                     log=lambda line: print(line, flush=True), security=security.from_args(args),
@@ -85,22 +90,9 @@ def run(args: argparse.Namespace) -> int:
             if shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            from deepco_device.health import DriftWatch
-            from deepco_device.staged import StagedRunner
+            from deepco_device.runners import StagedRunner
 
-            drift = None
-            if staged:
-                planner = dev.planner
-                plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
-                print(dev.describe_measurements(), flush=True)
-                print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
-                      f"{planner.fps(plan):.2f} fps", flush=True)
-                replan = lambda down: planner.best(args.objective, exclude=down)  # noqa: E731
-            else:  # the paper's plan; failover replans with the same algorithm, and drift re-profiles
-                plan = dev.plan
-                print(dev.describe_plan(), flush=True)
-                replan = dev.replan(args.algorithm)
-                drift = DriftWatch(dev.planner.costs, dev.measured)
+            plan, replan, drift = _plan(args, dev, staged)
             runner = StagedRunner(dev, plan)
             predicted = plan.predicted
 
@@ -113,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
             start = time.perf_counter()
             latencies = []
-            depth = max(args.depth, len(plan.servers)) if plan.kind == "round-robin" else args.depth
+            depth = max(args.depth, runner.frames_at_once)
             results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, drift=drift)
             for result in results:
                 if log_file:
@@ -152,6 +144,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _plan(args: argparse.Namespace, dev, staged: bool) -> tuple[StagedPlan, Callable, object]:
+    """The plan to run (printed), how failover replans, and the drift watch (None: none)."""
+    from deepco_device.health import DriftWatch
+    from deepco_device.planner import StagedPlanner
+
+    if staged:
+        planner = StagedPlanner(dev)
+        plan = _staged_plan(args, planner, dev)
+        print(dev.describe_measurements(), flush=True)
+        print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
+              f"{planner.fps(plan):.2f} fps", flush=True)
+        return plan, lambda down: planner.best(args.objective, exclude=down), None
+    # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+    print(dev.describe_plan(), flush=True)
+    return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured)
+
+
+def _staged_plan(args: argparse.Namespace, planner, dev) -> StagedPlan:
+    """The plan a staged run runs: the one saved in ``--plan``, auto's (calibrated) or the named one."""
+    if args.plan is not None:
+        from deepco_device.plan_command import load_plan
+
+        return load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
+    return planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
 
 
 def _seeded(model: str, weights: str | None) -> bool:

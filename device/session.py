@@ -15,23 +15,18 @@ failover, rejoin, drift: device/health.py).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from deepco_device.channels import Channels
-from deepco_device.lifecycle import Uploads
 from deepco_device.measuring import device_session, measure
+from deepco_device.parts import Links, Measured, ModelArtefacts
 from deepco_device.preprocess import Preprocessing, preprocessing_for
-from deepco_device.records import Measurements
 
 from deepco.cluster import Cluster
 from deepco.errors import UserError
-from deepco.modelcard import check_input
-from deepco.partition import Cut, Partitioner, load_model
-from deepco.partition.pixels import with_pixel_input
+from deepco.partition import Cut
 from deepco.planning import paper_plans
-from deepco.planning.staged import MIN_STAGE_FLOPS, StagedPlan
+from deepco.planning.staged import MIN_STAGE_FLOPS, Rates, StagedPlan
 from deepco.wire.client import InferenceClient
 from deepco.wire.security import ChannelSecurity
 
@@ -39,7 +34,9 @@ ALGORITHMS = paper_plans.ALGORITHMS  # the paper's row plans `deepco run --algor
 
 
 class Device:
-    """A device running one model over the servers of a cluster file."""
+    """A device running one model over the servers of a cluster file: the facade of its parts (device.parts),
+    its model artefacts (``artefacts``), its links to the servers (``links``: channels and uploads) and its
+    measurements with calibration's fit (``measurements``)."""
 
     def __init__(self, cluster: Cluster, model: str, height: int, width: int, *, algorithm: str = "thread",
                  cut: str = "auto", weights: str | None = None, pace: bool = False, depth: int = 2,
@@ -49,36 +46,53 @@ class Device:
             raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
         if depth < 1:
             raise UserError(f"pipeline depth must be >= 1, got {depth}")
-        self.cluster, self.model_spec, self.height, self.width = cluster, model, height, width
-        self.algorithm, self.cut_spec, self.weights, self.pace, self.depth = algorithm, cut, weights, pace, depth
+        self.algorithm, self.cut_spec, self.depth = algorithm, cut, depth
         self.log = log
-        self.security = security
-        self.pool = Channels(cluster, security)  # per-antenna channels to the servers
-        self.uploads = Uploads()  # unloaded on close()
+        # the preprocessing is checked against the model in load()
+        self.artefacts = ModelArtefacts(model, height, width, weights, preprocessing or preprocessing_for(model))
+        self.links = Links(cluster, security, pace)
+        self.measurements = Measured(cluster)
         self.down: set[str] = set()  # servers a run found down: not asked to unload on close
         self.events: list[dict] = []  # down / up / drift, with times (perf_counter): device.health
         self.plan: StagedPlan | None = None
         self.cut: Cut | None = None
-        self.measured: Measurements | None = None
-        self.partitioner: Partitioner | None = None  # with the models, set by load()
-        self.preprocessing = preprocessing or preprocessing_for(model)  # checked against the model in setup()
-        self.channels = self.preprocessing.channels  # colour channels of the pixels sent
-        self.tag = re.sub(r"[^A-Za-z0-9_.-]", "_", model.rsplit("/", 1)[-1])
-        self._planner = None
-        self.stage_models: dict[tuple[str, ...], dict] = {}  # per chain of levels, extracted once (device/staged.py)
+
+    # ---- the parts' attributes, as callers knew them -----------------------------------------------------
+    cluster = property(lambda self: self.links.cluster, doc="The cluster file's servers and antennas.")
+    pace = property(lambda self: self.links.pace, doc="Whether sends are paced (EMULATED bandwidth).")
+    security = property(lambda self: self.links.security, doc="The channels' TLS settings.")
+    pool = property(lambda self: self.links.pool, doc="The per-antenna channels (device.channels).")
+    uploads = property(lambda self: self.links.uploads, doc="The models uploaded (device.lifecycle).")
+    model_spec = property(lambda self: self.artefacts.spec, doc="The model as given (zoo name or .onnx path).")
+    height = property(lambda self: self.artefacts.height, doc="Input rows.")
+    width = property(lambda self: self.artefacts.width, doc="Input columns.")
+    weights = property(lambda self: self.artefacts.weights, doc="A zoo model's state-dict file, if any.")
+    preprocessing = property(lambda self: self.artefacts.preprocessing, doc="How pixels are normalised.")
+    channels = property(lambda self: self.artefacts.channels, doc="Colour channels of the pixels sent.")
+    tag = property(lambda self: self.artefacts.tag, doc="The model's name as uploaded models are tagged.")
+    reference_model = property(lambda self: self.artefacts.reference_model, doc="The model as loaded.")
+    model = property(lambda self: self.artefacts.model, doc="The model with the normalisation in its graph.")
+    partitioner = property(lambda self: self.artefacts.partitioner, doc="The exact partitioner (after load()).")
+    stage_models = property(lambda self: self.artefacts.stage_models, doc="Stage models per chain of levels.")
+    costs = property(lambda self: self.artefacts.costs, doc="The staged planner's cost model of the model.")
+    measured = property(lambda self: self.measurements.measurements, doc="What setup measured (None before).")
+
+    def rates(self, exclude: Iterable[str] = ()) -> Rates:
+        """The measured rates, with calibration's fit, without the servers in ``exclude``."""
+        return self.measurements.rates(exclude)
+
+    def servers(self, exclude: Iterable[str] = ()) -> list[str]:
+        """Names of the servers not in ``exclude``, in cluster order."""
+        return self.measurements.servers(exclude)
 
     # ---- channels -------------------------------------------------------------------------------------
     def client(self, server: int, antenna: int) -> InferenceClient:
         """The channel to ``server`` (index in the cluster) over ``antenna`` (opened once)."""
-        return self.pool.client(server, antenna)
+        return self.links.client(server, antenna)
 
     def close(self) -> None:
         """Unload what this device uploaded (not from servers marked down), then close every channel."""
-        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
-        down = {self.client(index[name], 0).address for name in self.down if name in index}
-        for problem in self.uploads.release(skip=down):
-            self.log(f"warning: {problem}")
-        self.pool.close()
+        self.links.close(self.down, self.log)
 
     def __enter__(self) -> Device:
         return self
@@ -90,16 +104,11 @@ class Device:
     def load(self) -> None:
         """Load (or export) the model, check its input and build its partitioner: what a camera has done
         before it is switched on (`setup` does it if it has not been done)."""
-        self.reference_model = load_model(self.model_spec, self.height, self.width, self.weights)
-        how = self.preprocessing
-        check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
-        # the device sends uint8 pixels; the normalisation runs in the first stage's graph
-        self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
-        self.partitioner = Partitioner(self.model, self.height, self.width)
+        self.artefacts.load()
 
     def setup(self, rows: bool = True) -> StagedPlan | None:
         """Load and measure; with ``rows`` also plan ``algorithm`` the paper's way (printed through ``log``)
-        and return that plan. ``rows=False`` stops after measuring: the staged planner (device/staged.py)
+        and return that plan. ``rows=False`` stops after measuring: the staged planner (device/planner.py)
         plans for itself, and the paper's plans over every cut would only cost time (seconds per cut on a
         weak device). Nothing is uploaded here: a runner uploads what its plan needs."""
         if self.partitioner is None:
@@ -112,9 +121,9 @@ class Device:
             self.client(k, 0).wait_ready(timeout=10.0)
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = device_session(self.model.SerializeToString())
-        self.input_name = whole.get_inputs()[0].name
         reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
-        self.measured = measure(self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag, log=self.log)
+        self.measurements.measurements = measure(self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag,
+                                                 log=self.log)
         if not rows:
             return None
         self.plan = self.paper_plan(self.algorithm, cut=None if self.cut_spec == "auto" else self.cut_spec)
@@ -123,22 +132,12 @@ class Device:
             self.log(f"cut: {self.cut.name} (least predicted frame time)")
         return self.plan
 
-    @property
-    def planner(self):
-        """The staged planner on this device's measurements (device.staged.StagedPlanner), made once."""
-        if self._planner is None:
-            from deepco_device.staged import StagedPlanner
-
-            self._planner = StagedPlanner(self)
-        return self._planner
-
     def paper_plan(self, algorithm: str, exclude: Iterable[str] = (), cut: str | None = None) -> StagedPlan:
         """The paper's plan for ``algorithm`` on the servers not in ``exclude``, at ``cut`` (None: the cut of
         least predicted frame time), as a StagedPlan (deepco.planning.paper_plans)."""
         if algorithm not in ALGORITHMS:
             raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
-        planner = self.planner
-        return paper_plans.paper_plan(planner.costs, planner.rates(exclude), planner.servers(exclude), algorithm, cut)
+        return paper_plans.paper_plan(self.costs, self.rates(exclude), self.servers(exclude), algorithm, cut)
 
     def plan_for(self, algorithm: str) -> StagedPlan:
         """Another algorithm's plan at the chosen cut, on the same measurements (for side-by-side runs)."""

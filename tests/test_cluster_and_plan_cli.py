@@ -261,3 +261,28 @@ def test_plan_with_a_model_is_a_dry_run_on_the_real_servers(address_only):
     assert len(sizes) == len(addresses) and max(sizes) - min(sizes) <= 1, sizes
     result = deepco("plan", "--cluster", str(EXAMPLE), "--algorithm", "equal")
     assert result.returncode == 2 and "give --model" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["local", "offload", "round-robin", "thread"])
+def test_a_saved_plan_runs_exactly_as_saved(address_only, tmp_path, algorithm):
+    """`deepco plan --model ... --save F.json` writes the plan and `deepco run --plan F.json` runs it: the same
+    kind, servers and stages (every plan kind forced this way: local, offload, round-robin and a split)."""
+    from deepco.planning.staged import StagedPlan
+
+    cluster, model, addresses = address_only
+    saved = tmp_path / "plan.json"
+    result = deepco("plan", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64",
+                    "--algorithm", algorithm, "--save", str(saved), timeout=300)
+    assert result.returncode == 0, result.stderr
+    plan = StagedPlan.from_dict(json.loads(saved.read_text())["plan"])
+    kind = {"thread": "split"}.get(algorithm, algorithm)
+    assert plan.kind == kind and set(plan.servers) <= {*addresses, "@device"}
+    result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64",
+                    "--source", str(PHOTO), "--frames", "2", "--plan", str(saved), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "0 failed" in result.stdout
+    shown = [line for line in result.stdout.splitlines() if line.startswith("plan: ")]
+    assert shown and shown[0].startswith(f"plan: {plan.describe()};"), result.stdout  # kind, servers, stages
+    result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "32x32",
+                    "--source", str(PHOTO), "--frames", "1", "--plan", str(saved), timeout=300)
+    assert result.returncode == 2 and "was made for" in result.stderr

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from deepco_device.health import DriftWatch, Health
-from deepco_device.records import Measurements
+from deepco_device.records import FrameTiming, Measurements, ServerStep
 
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
@@ -94,9 +94,10 @@ def test_drift_rescales_a_server_only_after_five_frames_off_the_plan(costs):
     planned = [costs.window(None, "layer1", a, b).flops / 2e9 for a, b in band]
     watch = DriftWatch(costs, measured)
 
-    def timing(slow: float) -> dict:
-        return {"servers": [{"name": s, "antenna": 0, "compute": planned[i] * (slow if s == "s0" else 1.0),
-                             "send_start": 0.0, "received": 0.0} for i, s in enumerate(["s0", "s1"])]}
+    def timing(slow: float) -> FrameTiming:
+        return FrameTiming(latency=1.0, servers=tuple(
+            ServerStep(s, 0, band[i], band[i], compute=planned[i] * (slow if s == "s0" else 1.0))
+            for i, s in enumerate(["s0", "s1"])))
 
     for _ in range(4):
         assert watch.observe(plan, timing(3.0)) == []

@@ -4,9 +4,11 @@ a SIGKILLed device's models go when their lease runs out, and `deepco models` li
 from __future__ import annotations
 
 import contextlib
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,20 +65,32 @@ def _run_args(setup, frames: int) -> list[str]:
 
 
 def _start_run(setup) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "deepco", *_run_args(setup, 400)], cwd=ROOT,
-                            env=child_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    """A run of 400 frames that prints a line per frame (read by `_wait_for_frames`)."""
+    args = [a for a in _run_args(setup, 400) if a != "--quiet"]
+    return subprocess.Popen([sys.executable, "-m", "deepco", *args], cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_uploaded(servers, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        # the plan's runner uploads what it needs (content-addressed names) to the servers the plan uses
-        if any(any("-sha256-" in n for n in names) for names in _loaded(servers)):
-            return
-        time.sleep(0.2)
-    raise AssertionError("the device never uploaded its models")
+def _wait_for_frames(proc: subprocess.Popen, done: int, timeout: float = 120.0) -> None:
+    """Return once the run has printed ``done`` frames: its models are uploaded and, with frames left to
+    run, the next ones are in flight. An AssertionError at the deadline or when the run ended first."""
+    seen: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        count = 0
+        for line in proc.stdout:
+            count += line.startswith("frame ")
+            if count >= done:
+                seen.put(True)
+                break
+        else:
+            seen.put(False)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert seen.get(timeout=timeout), proc.stderr.read() if proc.stderr else ""
+    except queue.Empty:
+        raise AssertionError(f"the run printed no {done} frames within {timeout:g} s") from None
 
 
 def test_run_unloads_what_it_uploaded(servers, setup) -> None:
@@ -88,8 +102,7 @@ def test_run_unloads_what_it_uploaded(servers, setup) -> None:
 def test_ctrl_c_still_unloads(servers, setup) -> None:
     proc = _start_run(setup)
     try:
-        _wait_uploaded(servers, proc)
-        time.sleep(1.0)  # frames in flight
+        _wait_for_frames(proc, 2)  # uploaded, and frames in flight
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
@@ -101,7 +114,7 @@ def test_ctrl_c_still_unloads(servers, setup) -> None:
 def test_a_killed_devices_models_go_when_the_lease_ends(servers, setup) -> None:
     proc = _start_run(setup)
     try:
-        _wait_uploaded(servers, proc)
+        _wait_for_frames(proc, 1)  # uploaded
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

@@ -89,14 +89,14 @@ def test_modnn_equals_the_whole_model_and_servers_exchange_directly(servers, mod
             out, timing = runner.run_frame(x)
             assert out.shape == want.shape
             assert np.abs(out - want).max() <= 1e-4 * scale
-            for i, s in enumerate(timing["servers"]):
+            for i, s in enumerate(timing.servers):
                 # the servers' own counts of rows they received from peers, against the tables
                 incoming = sum(1 for level in expected for (_, r) in level if r == i)
                 outgoing = sum(1 for level in expected for (snd, _) in level if snd == i)
-                assert s["messages_received"] == incoming > 0
-                assert s["messages_sent"] == outgoing > 0
-                assert s["bytes_received"] > 0 and s["compute"] > 0 and s["exchange_wait"] >= 0
-            assert timing["latency"] >= max(s["finish"] for s in timing["servers"])
+                assert s.messages_received == incoming > 0
+                assert s.messages_sent == outgoing > 0
+                assert s.bytes_received > 0 and s.compute > 0 and s.exchange_wait >= 0
+            assert timing.latency >= max(s.finish for s in timing.servers)
         runner.unload()
         for i in range(count):
             assert not any("modnn" in n for n in dev.client(i, 0).loaded_models())
@@ -214,6 +214,6 @@ def test_paced_sends_hold_each_antenna_for_its_bytes(servers):
         x = np.zeros((1, 3, 64, 80), np.uint8)
         _, timing = runner.run_frame(x)
         image_seconds = x.nbytes / (8.0 * 1e6 / 8)  # both bands over the one antenna: the whole image
-        assert timing["sent"] >= 0.95 * image_seconds
+        assert timing.sent >= 0.95 * image_seconds
         assert runner.prediction["transfer"] >= image_seconds
         runner.unload()

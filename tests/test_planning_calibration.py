@@ -96,3 +96,70 @@ def test_round_order_gives_every_plan_every_predecessor():
     # 999 adjacent pairs; a uniform design gives each of the 20 ordered pairs of distinct plans ~40
     assert min(follows[p] for p in pairs) >= 25, follows
     assert max(follows[p] for p in pairs) <= 60, follows
+
+
+def _fake_bench(costs, seconds_of, unfit=()):
+    """A calibration without servers: ``seconds_of(plan)`` is a plan's frame time, plans whose description is
+    in ``unfit`` never fit, and what is held and released is recorded."""
+    from deepco.planning.calibration import Unfit, plan_key
+
+    held: dict[str, str] = {}
+    released: list[str] = []
+
+    def time_plan(plan, frames, warm_up):
+        if plan.describe() in unfit:
+            raise Unfit(f"no room for {plan.describe()}")
+        held[plan_key(plan)] = plan.describe()
+        return [seconds_of(plan)] * frames
+
+    def release(plan):
+        released.append(held.pop(plan_key(plan)))
+
+    def candidates(r, objective, shapes):
+        from deepco.planning.staged import search
+
+        ranked = search(costs, r, ["s0", "s1"], objective=objective, shapes=shapes)
+        return ranked if shapes == "all" else ranked[:1]
+
+    return time_plan, release, candidates, held, released
+
+
+def test_calibrate_picks_the_measured_fastest_skips_what_does_not_fit_and_gives_back_the_rest(costs):
+    """The loop with a fake 'time this plan' callback and no servers: offload to s1 (the weaker server by the
+    rates) measures fastest by far, so it is chosen although predicted slow; the plan refused for room is
+    skipped with a note; every plan but the chosen one is given back, and nothing else stays held."""
+    from deepco.planning.calibration import calibrate
+    from deepco.planning.staged import offload_plan
+
+    r = rates()
+    slow_offload = offload_plan(costs, r, "s1")
+    first = calibrate(costs, r, lambda *a: [], lambda plan, frames, warm_up: [0.5] * frames, lambda plan: None,
+                      log=lambda _: None, settle=0)
+    assert first.plan.describe() == local_plan(costs, r).describe()  # no candidate at all: the device alone
+
+    def seconds_of(plan):
+        return 0.001 if plan.describe() == slow_offload.describe() else 1.0
+
+    best = _fake_bench(costs, seconds_of)[2](r, "latency", "all")[0]  # the first plan planned: it will not fit
+    time_plan, release, candidates, held, released = _fake_bench(costs, seconds_of, {best.describe()})
+    lines: list[str] = []
+
+    def with_offloads(rr, objective, shapes):
+        return [offload_plan(costs, rr, "s1")] if shapes == "offload" else candidates(rr, objective, shapes)
+
+    got = calibrate(costs, r, with_offloads, time_plan, release, log=lines.append, settle=0)
+    assert got.plan.describe() == slow_offload.describe()
+    assert got.plan.predicted == pytest.approx(predict(got.plan, costs, replace_rates(r, got))["frame"])
+    assert got.plan.fidelity["measured"] == pytest.approx(0.001)
+    assert any(line == f"calibration: skipped {best.describe()}: no room for {best.describe()}" for line in lines)
+    assert list(held.values()) == [slow_offload.describe()]  # only the chosen plan's resources stay held
+    assert released and slow_offload.describe() not in released
+    assert all(t["measured"] > 0 for t in got.trials) and len(got.trials) >= 2
+
+
+def replace_rates(r, calibrated):
+    from dataclasses import replace
+
+    from deepco.planning.calibration import with_compute_scale
+
+    return replace(with_compute_scale(r, calibrated.compute_scale), step_overhead=calibrated.step_overhead)

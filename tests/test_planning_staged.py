@@ -3,6 +3,7 @@ physical bound."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -96,8 +97,8 @@ def test_the_physical_bound_is_the_formula():
 def test_same_plan_ignores_the_name_and_the_prediction_only(costs):
     r = rates()
     offload = offload_plan(costs, r, "s0")
-    auto = offload_plan(costs, rates(servers=(8e9, 2e9)), "s0")  # another prediction, the same plan
-    auto.algorithm, auto.fidelity = "auto", {"ratio": 1.1}
+    auto = replace(offload_plan(costs, rates(servers=(8e9, 2e9)), "s0"),  # another prediction, the same plan
+                   algorithm="auto", fidelity={"ratio": 1.1})
     assert auto.predicted != offload.predicted
     assert same_plan(auto.to_dict(), offload.to_dict())
     assert not same_plan(offload_plan(costs, r, "s1").to_dict(), offload.to_dict())

@@ -28,7 +28,7 @@ import onnxruntime as ort
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
-from deepco_device.staged import SETTLE_SECONDS, round_order
+from deepco_device.staged import SETTLE_SECONDS, StagedPlanner, round_order
 from tqdm import tqdm
 
 from deepco import modelcard
@@ -129,7 +129,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             if sys.stdin.readline().strip() != GO:
                 raise UserError("the bench did not confirm the device's CPU quota")
         device.setup()
-        planner = device.planner  # the paper's plans are predicted on the same (calibrated) rates as auto's
+        planner = StagedPlanner(device)  # the paper's plans are predicted on the same (calibrated) rates as auto's
         auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
                  "round-robin": planner.named("round-robin"), "auto": auto,

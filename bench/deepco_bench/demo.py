@@ -172,7 +172,7 @@ def worker(spec_path: str) -> int:
             began = time.perf_counter()
             for px in frames:
                 output, timing = runner.run_frame(px)
-                latencies.append(timing["latency"])
+                latencies.append(timing.latency)
                 outs.append(output)
             elapsed = time.perf_counter() - began
             outputs[name] = np.concatenate(outs)

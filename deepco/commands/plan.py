@@ -19,14 +19,16 @@ from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
 from deepco.wire import security
 
 DRY_RUN = "deepco_device.plan_command"
-MODEL_ONLY = ("equal",)  # row plans the device's dry run has and the abstract workload model has not
+# plans the device's dry run has and the abstract workload model has not: a real model's rows, and the staged
+# planner's (auto calibrates on the servers)
+MODEL_ONLY = ("equal", "auto", "local", "offload", "round-robin")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco plan`."""
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file")
     p.add_argument("--algorithm", default="thread", choices=[*ALGORITHMS, *MODEL_ONLY],
-                   help="planner (default: thread; equal: with --model only)")
+                   help="planner (default: thread; equal, auto, local, offload, round-robin: with --model only)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
     dry = p.add_argument_group("dry run on the real servers (with --model: measure, plan, print; nothing is run)")
     dry.add_argument("--model", default=None,
@@ -34,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dry.add_argument("--input-size", default="224x224", metavar="HxW", help="input height x width (default 224x224)")
     dry.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto (default)")
     dry.add_argument("--weights", default=None, help="state-dict file for a zoo model")
+    dry.add_argument("--save", default=None, metavar="F.json",
+                     help="write the plan to F.json, for `deepco run --plan F.json` to run exactly it")
     modelcard.add_arguments(p)
     security.add_arguments(p)
 

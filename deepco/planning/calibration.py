@@ -10,18 +10,23 @@ things it cannot know until frames have run:
 - the fixed cost of one server step (message, ORT call, Python, all under a CPU quota): ``step_overhead``.
 
 `fit` finds both from timed plans by least squares on *relative* error (the planner's quality is judged as
-measured / predicted). `choose` picks among plans timed side by side.
+measured / predicted). `choose` picks among plans timed side by side. `calibrate` is the loop that times
+plans through a callback (the device runs them on its servers), fits, plans again and chooses.
 """
 
 from __future__ import annotations
 
+import json
+import random
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from scipy.optimize import minimize_scalar
 
-from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, predict, steps
+from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps
 
 SCALE_BOUNDS = (0.25, 4.0)  # a model's FLOP rate within 4x of the profiled head's, either way
 SIMPLER_MARGIN = 0.03  # a plan with fewer server steps wins unless a busier one is this much faster
@@ -132,3 +137,215 @@ def fidelity(chosen: Timed, timed: Sequence[Timed], costs: CostModel, rates: Rat
                      f"a step) cannot fit every timed plan at once: measured / predicted was {listed}. The "
                      "plan was chosen on measured time, not on this prediction")
     return report
+
+
+# ---- the calibration loop ------------------------------------------------------------------------------
+
+SETTLE_SECONDS = 0.03  # three CFS periods between timed frames: every quota starts a frame refilled
+RUNOFF_WITHIN = 0.25  # calibrated plans this close to the fastest are timed again side by side
+T = TypeVar("T")
+
+
+class Unfit(Exception):
+    """Raised by a `calibrate` ``time_plan`` callback: the plan's resources (its models on the servers) do not
+    fit now; the message says why, in one line."""
+
+
+# (plan, frames, warm_up) -> the latencies of ``frames`` frames (after one untimed frame when ``warm_up``); the
+# plan's resources stay held until ``release``. Raises Unfit where they do not fit.
+TimePlan = Callable[[StagedPlan, int, bool], list[float]]
+# (rates, objective, shapes) -> the ranked candidates that fit, best first (shapes: ``all``, ``offload``,
+# ``thread``); for shapes other than ``all``, empty where none fits.
+Candidates = Callable[[Rates, str, str], list[StagedPlan]]
+
+
+@dataclass
+class Calibrated:
+    """What `calibrate` found: the chosen plan (re-predicted, with its fidelity report), the fitted model and
+    every timing (``trials``: one entry per timing, as logged)."""
+
+    plan: StagedPlan
+    compute_scale: float
+    step_overhead: float
+    trials: list[dict]
+
+
+def plan_key(plan: StagedPlan) -> str:
+    """What identifies a plan: everything but its name, prediction and calibration report."""
+    return json.dumps(plan.to_dict() | {"predicted": 0, "breakdown": {}, "algorithm": "", "fidelity": {}},
+                      sort_keys=True)
+
+
+def round_order(items: list[T], k: int) -> list[T]:
+    """The order of the ``k``-th round when plans are timed side by side: a permutation of ``items`` drawn
+    afresh for every round (seeded by ``k``, so runs repeat). A frame's time depends on what ran just before
+    it (a CPU quota the previous frame drained, caches). A fixed order biases the plans that follow a heavy
+    one, and so does a rotation, which keeps every item's predecessor (in the benchmark, offload always ran
+    after local and auto after round-robin, and auto measured 3-6% slower than offload running the very
+    same plan); a fresh permutation gives every item every predecessor alike."""
+    order = list(items)
+    random.Random(k).shuffle(order)
+    return order
+
+
+class _Bench:
+    """One calibration's state: the plans timed, those refused for room, those whose resources are held (only
+    those that can still be chosen: a plan too slow to reach the runoff is released at once), and the fit."""
+
+    def __init__(self, costs: CostModel, measured: Rates, time_plan: TimePlan, release: Callable[[StagedPlan], None],
+                 log: Callable[[str], None], frames: int, scale: float, overhead: float, settle: float):
+        self.costs, self.measured, self.time_plan, self.release = costs, measured, time_plan, release
+        self.log, self.frames, self.settle = log, frames, settle
+        self.scale, self.overhead = scale, overhead
+        self.timed: dict[str, Timed] = {}
+        self.unfit: set[str] = set()
+        self.held: dict[str, StagedPlan] = {}
+        self.trials: list[dict] = []
+        self._kept: str | None = None
+
+    def rates(self) -> Rates:
+        """The measured rates with the model fitted so far."""
+        return replace(with_compute_scale(self.measured, self.scale), step_overhead=self.overhead)
+
+    def first_new(self, ranked: list[StagedPlan]) -> StagedPlan | None:
+        """The best of ``ranked`` not refused for room (timed or not: the caller stops when it repeats)."""
+        return next((p for p in ranked if plan_key(p) not in self.unfit), None)
+
+    def fastest(self) -> Timed:
+        """The timed plan of least mean latency."""
+        return min(self.timed.values(), key=lambda t: t.mean)
+
+    def finalists(self) -> list[str]:
+        """Keys of the timed plans within ``RUNOFF_WITHIN`` of the fastest."""
+        fastest = self.fastest().mean
+        return [k for k, t in self.timed.items() if t.mean <= fastest * (1 + RUNOFF_WITHIN)]
+
+    def run(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float] | None:
+        """``time_plan``, or None with a note when the plan does not fit even after the other held plans were
+        released (they may be what fills the servers)."""
+        key = plan_key(plan)
+        try:
+            seconds = self.time_plan(plan, frames, warm_up)
+        except Unfit:
+            self.give_back(lambda k: k != key)
+            try:
+                seconds = self.time_plan(plan, frames, warm_up)
+            except Unfit as exc:
+                self.unfit.add(key)
+                self.log(f"calibration: skipped {plan.describe()}: {exc}")
+                return None
+        self.held[key] = plan
+        return seconds
+
+    def refit(self) -> None:
+        self.scale, self.overhead = fit(list(self.timed.values()), self.costs, self.measured)
+
+    def time(self, plan: StagedPlan, note: str) -> None:
+        """Time ``plan`` on ``frames`` frames after a warm-up, refit the cost model, log it, and release the
+        plans that can no longer be chosen."""
+        seconds = self.run(plan, self.frames, True)
+        if seconds is None:
+            return
+        key = plan_key(plan)
+        self.timed[key] = Timed(plan, seconds)
+        self.refit()
+        self.trials.append({"plan": plan.describe(), "predicted": plan.predicted, "measured": self.timed[key].mean,
+                            "steps": steps(plan), "step_overhead": self.overhead, "compute_scale": self.scale,
+                            "note": note})
+        self.log(f"calibration ({note}): {plan.describe()}: predicted {plan.predicted * 1e3:.1f} ms, "
+                 f"measured {self.timed[key].mean * 1e3:.1f} ms; now compute scale "
+                 f"{self.scale:.2f}, step overhead {self.overhead * 1e3:.2f} ms")
+        finalists = set(self.finalists())
+        self.give_back(lambda k: k not in finalists)
+
+    def runoff(self, finalists: list[str], frames: int) -> list[Timed]:
+        """The ``finalists`` run again side by side, interleaved in a fresh order every round on refilled
+        quotas; their timings (added to ``timed`` too). A finalist whose resources no longer fit is left out."""
+        ready = {k: self.timed[k].plan for k in finalists if self.run(self.timed[k].plan, 0, False) is not None}
+        runoff = {k: Timed(plan, []) for k, plan in ready.items()}
+        for i in range(frames):
+            for k in round_order(list(ready), i):
+                time.sleep(self.settle)
+                runoff[k].seconds.extend(self.run(ready[k], 1, False) or [])
+        for k, t in runoff.items():
+            self.timed[k] = Timed(t.plan, self.timed[k].seconds + t.seconds)
+            self.trials.append({"plan": t.plan.describe(), "measured": t.mean, "steps": steps(t.plan),
+                                "note": "runoff", "frames": len(t.seconds)})
+            self.log(f"calibration (runoff, {len(t.seconds)} frames): {t.plan.describe()}: {t.mean * 1e3:.1f} ms")
+        return list(runoff.values())
+
+    def repredict(self, plan: StagedPlan) -> StagedPlan:
+        """``plan`` predicted with the fitted model."""
+        breakdown = predict(plan, self.costs, self.rates())
+        return replace(plan, breakdown=breakdown, predicted=breakdown["frame"])
+
+    def keep(self, plan: StagedPlan) -> StagedPlan:
+        """``plan`` is the one chosen: its resources stay held for the run; the rest go on `give_back`."""
+        self._kept = plan_key(plan)
+        return plan
+
+    def give_back(self, drop: Callable[[str], bool]) -> None:
+        for key in [k for k in self.held if drop(k)]:
+            self.release(self.held.pop(key))
+
+
+def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan: TimePlan,
+              release: Callable[[StagedPlan], None], *, objective: str = "latency", frames: int = 2, rounds: int = 3,
+              runoff_frames: int = 6, log: Callable[[str], None] = print, compute_scale: float = 1.0,
+              step_overhead: float = 0.0, settle: float = SETTLE_SECONDS) -> Calibrated:
+    """Plan (``candidates`` on the rates fitted so far), time the plan (``time_plan``), fit the cost model's
+    compute scale and per-step overhead (`fit`, from the measured ``rates``), plan again; stop when the plan
+    repeats. For latency, time local, the best offload and the paper's shape as contenders too, then run the
+    plans within ``RUNOFF_WITHIN`` of the fastest side by side (interleaved, ``settle`` seconds apart,
+    ``runoff_frames`` each) and return the one `choose` picks, re-predicted with the fitted model.
+
+    A plan ``time_plan`` refuses (Unfit) is skipped with a one-line note, after the other held plans were
+    released in case they are what fills the servers; every plan that cannot be chosen any more is released
+    at once (``release``), and at the end every plan but the chosen one: calibration never holds more than the
+    finalists' resources."""
+    bench = _Bench(costs, rates, time_plan, release, log, frames, compute_scale, step_overhead, settle)
+    try:
+        plan = _calibrate(bench, candidates, objective, rounds, runoff_frames)
+    finally:
+        bench.give_back(lambda k: k != bench._kept)
+    return Calibrated(plan, bench.scale, bench.overhead, bench.trials)
+
+
+def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: int, runoff_frames: int) -> StagedPlan:
+    plan = bench.first_new(candidates(bench.rates(), objective, "all"))
+    for _ in range(rounds):
+        if plan is None or plan_key(plan) in bench.timed:
+            break
+        bench.time(plan, "planned")
+        plan = bench.first_new(candidates(bench.rates(), objective, "all"))
+    if not bench.timed:  # every planned candidate was refused for room: the device alone always fits
+        bench.time(local_plan(bench.costs, bench.rates()), "the only plan that fits")
+    if objective != "latency":  # one frame's time says little about sustained fps: keep the last plan
+        return bench.keep(bench.repredict(bench.fastest().plan))
+    # The fitted model can still misjudge plan kinds it was fitted on least (a weak camera's own
+    # per-message CPU, a model whose layers run at another FLOP rate than the profiled head): local, the
+    # best offload and the paper's shape (one lookahead stage, the tail on the device) are timed too, so
+    # auto is never slower than them as measured.
+    local = local_plan(bench.costs, bench.rates())
+    # the device alone is compute only, predicted well: when far slower, not worth seconds here
+    contenders = [local] if local.predicted <= 2 * bench.fastest().mean else []
+    rates = bench.rates()
+    contenders += candidates(rates, "latency", "offload")[:1] + candidates(rates, "latency", "thread")[:1]
+    for contender in contenders:
+        if plan_key(contender) not in bench.timed and plan_key(contender) not in bench.unfit:
+            bench.time(contender, "contender")
+    finalists = bench.finalists()
+    if len(finalists) > 1:
+        # Two frames each cannot tell plans 10% apart on a quota'd CPU: the close ones run again, side by
+        # side as the benchmark runs them (interleaved in a fresh order every round, on refilled quotas).
+        runoff = bench.runoff(finalists, runoff_frames)
+        bench.refit()
+        chosen = bench.timed[plan_key(choose(runoff).plan)]
+    else:
+        chosen = bench.timed[finalists[0]]
+    plan = bench.repredict(chosen.plan)
+    plan = replace(plan, fidelity=fidelity(chosen, list(bench.timed.values()), bench.costs, bench.rates()))
+    if plan.fidelity["why"]:
+        bench.log(f"calibration: the prediction for the chosen plan does not hold "
+                  f"(measured / predicted {plan.fidelity['ratio']:.2f}): {plan.fidelity['why']}")
+    return bench.keep(plan)

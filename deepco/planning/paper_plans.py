@@ -18,6 +18,7 @@ Servers the row sizing leaves without a row sit the frame out (they are not part
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from deepco.planning import make_plan
 from deepco.planning.bands import ownership
@@ -89,8 +90,8 @@ def paper_plan(costs: CostModel, rates: Rates, servers: Sequence[str], algorithm
     for name in cuts:
         rows = row_plan(costs, rates, servers, algorithm, name)
         plan = as_staged(rows, costs, name)
-        plan.breakdown = predict(plan, costs, rates) | {"rows": rows.to_dict()}
-        plan.predicted = plan.breakdown["frame"]
+        breakdown = predict(plan, costs, rates) | {"rows": rows.to_dict()}
+        plan = replace(plan, breakdown=breakdown, predicted=breakdown["frame"])
         if best is None or plan.predicted <= best.predicted:
             best = plan
     assert best is not None

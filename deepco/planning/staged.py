@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from deepco.planning.bands import ownership, receives
 from deepco.planning.plan import PlanningError
@@ -53,7 +53,7 @@ class Rates:
     device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal one byte sent or received
     paced: bool = False
     # fixed cost of one server step (a stage, a gather, an offload): the message, the ORT call and Python
-    # under the server's CPU share; fitted at setup from timed frames (device.staged.StagedPlanner.calibrate)
+    # under the server's CPU share; fitted at setup from timed frames (deepco.planning.calibration.calibrate)
     step_overhead: float = 0.0
 
     def to_dict(self) -> dict:
@@ -65,9 +65,10 @@ class Rates:
         return self.device_flops_per_second if participant == DEVICE else self.server_flops_per_second[participant]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StagedPlan:
-    """One frame's execution plan (see the module doc). Row tables are per level, then per participant."""
+    """One frame's execution plan (see the module doc). Row tables are per level, then per participant. A value:
+    a plan re-predicted, renamed or given its calibration report is a new plan (`dataclasses.replace`)."""
 
     algorithm: str
     kind: str  # "local" | "offload" | "split" | "round-robin" (whole frames dealt to ``servers`` in turn)
@@ -93,10 +94,8 @@ class StagedPlan:
     @classmethod
     def from_dict(cls, data: dict) -> StagedPlan:
         """Inverse of `to_dict`."""
-        plan = cls(**data)
-        plan.bands = [[tuple(iv) for iv in level] for level in plan.bands]
-        plan.windows = [[tuple(iv) for iv in level] for level in plan.windows]
-        return plan
+        return cls(**data | {"bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
+                              "windows": [[tuple(iv) for iv in level] for level in data.get("windows", [])]})
 
     def describe(self) -> str:
         """One line: what runs where."""
@@ -396,9 +395,8 @@ def best_offload(costs: CostModel, rates: Rates, servers: Sequence[str]) -> Stag
 
 
 def _finish(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
-    plan.breakdown = predict(plan, costs, rates)
-    plan.predicted = plan.breakdown["frame"]
-    return plan
+    breakdown = predict(plan, costs, rates)
+    return replace(plan, breakdown=breakdown, predicted=breakdown["frame"])
 
 
 def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Sequence[str],
@@ -542,8 +540,7 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
                             candidates.append(plan)
     if not candidates:
         raise PlanningError("no plan fits: every split needs more rows than a level has")
-    for plan in candidates:
-        plan.algorithm = algorithm if plan.kind == "split" else plan.algorithm
+    candidates = [replace(p, algorithm=algorithm) if p.kind == "split" else p for p in candidates]
     candidates = [p for p in candidates if p.kind != "round-robin"] if objective == "latency" else candidates
     if objective == "latency":
         candidates.sort(key=lambda p: p.predicted)

@@ -1,0 +1,106 @@
+"""The parts of a device (device.session.Device is their facade): its model artefacts, its links to the servers
+(channels and uploads), and its measurements with what calibration fitted on top of them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import onnx
+from deepco_device.channels import Channels
+from deepco_device.lifecycle import Uploads
+from deepco_device.preprocess import Preprocessing
+from deepco_device.records import Measurements
+
+from deepco.cluster import Cluster
+from deepco.modelcard import check_input
+from deepco.partition import Partitioner, load_model
+from deepco.partition.pixels import with_pixel_input
+from deepco.planning.calibration import with_compute_scale
+from deepco.planning.staged import CostModel, Rates
+from deepco.wire.client import InferenceClient
+from deepco.wire.security import ChannelSecurity
+
+
+class ModelArtefacts:
+    """The model as the device runs it: the reference model, the model with the normalisation in its graph
+    (the device sends uint8 pixels), its partitioner and exact cost model, and the stage models extracted per
+    chain of levels (device.runners: a replan onto the same levels costs no extraction)."""
+
+    def __init__(self, spec: str, height: int, width: int, weights: str | None, preprocessing: Preprocessing):
+        self.spec, self.height, self.width, self.weights = spec, height, width, weights
+        self.preprocessing = preprocessing
+        self.channels = preprocessing.channels  # colour channels of the pixels sent
+        self.tag = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.rsplit("/", 1)[-1])
+        self.reference_model: onnx.ModelProto | None = None
+        self.model: onnx.ModelProto | None = None
+        self.partitioner: Partitioner | None = None
+        self.stage_models: dict[tuple[str, ...], dict] = {}
+        self._costs: CostModel | None = None
+
+    def load(self) -> None:
+        """Load (or export) the model, check its input and build its partitioner."""
+        self.reference_model = load_model(self.spec, self.height, self.width, self.weights)
+        how = self.preprocessing
+        check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
+        self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
+        self.partitioner = Partitioner(self.model, self.height, self.width)
+
+    @property
+    def costs(self) -> CostModel:
+        """The staged planner's cost model of this model (deepco.planning.staged), made once."""
+        if self._costs is None:
+            out = self.reference_model.graph.output[0].type.tensor_type.shape.dim
+            out_bytes = 4 * int(np.prod([d.dim_value or 1 for d in out]))  # float32 (batch 1)
+            image_bytes = self.channels * self.height * self.width * self.partitioner.graph.itemsize
+            self._costs = CostModel(self.partitioner, image_bytes, out_bytes)
+        return self._costs
+
+
+class Links:
+    """The device's links to its servers: a channel per (server, antenna), and the models uploaded over them
+    (unloaded on `close`)."""
+
+    def __init__(self, cluster: Cluster, security: ChannelSecurity | None, pace: bool):
+        self.cluster, self.security, self.pace = cluster, security, pace
+        self.pool = Channels(cluster, security)
+        self.uploads = Uploads()
+
+    def client(self, server: int, antenna: int) -> InferenceClient:
+        """The channel to ``server`` (index in the cluster) over ``antenna`` (opened once)."""
+        return self.pool.client(server, antenna)
+
+    def close(self, down: Iterable[str], log: Callable[[str], None]) -> None:
+        """Unload what was uploaded (not from the servers in ``down``: a frozen one would stall it), then
+        close every channel."""
+        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
+        skip = {self.client(index[name], 0).address for name in down if name in index}
+        for problem in self.uploads.release(skip=skip):
+            log(f"warning: {problem}")
+        self.pool.close()
+
+
+class Measured:
+    """What setup measured (`Measurements`; None until then) and the cost model's terms calibration fitted on
+    top (deepco.planning.calibration): the rates every plan of the device is predicted on."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.measurements: Measurements | None = None
+        self.compute_scale = 1.0
+        self.step_overhead = 0.0
+
+    def rates(self, exclude: Iterable[str] = ()) -> Rates:
+        """The measured rates with the fitted compute scale and step overhead, without the servers in
+        ``exclude``."""
+        r = with_compute_scale(self.measurements.rates(), self.compute_scale)
+        r.step_overhead = self.step_overhead
+        for name in exclude:
+            r.server_flops_per_second.pop(name, None)
+        return r
+
+    def servers(self, exclude: Iterable[str] = ()) -> list[str]:
+        """Names of the servers not in ``exclude``, in cluster order."""
+        skip = set(exclude)
+        return [s.name for s in self.cluster.servers if s.name not in skip]

@@ -1,0 +1,474 @@
+"""The staged runtime: a runner per plan kind executes a `deepco.planning.staged.StagedPlan` frame by frame.
+
+    runner = StagedRunner(dev, plan)                 # the runner of plan.kind (RUNNERS); uploads what it needs
+    output, timing = runner.run_frame(px)            # px: 1x3xHxW uint8 pixels; timing: a FrameTiming
+    for result in runner.run_frames(frames, depth=2): ...          # pipelined, with failover
+
+`LocalRunner` runs the whole model on the device, `OffloadRunner` on one server, `RoundRobinRunner` deals
+whole frames to its servers in turn (an offload runner each), and `SplitRunner` runs a split plan as one
+SplitRun job per participant (server/split_jobs.py): the device sends each participant its input (the window of
+the image for segment 1 with lookahead, else its band) over its antenna, in the plan's order; the servers run
+their segments, exchange halo rows directly, and either return their bands (the device stitches them and
+runs the tail) or send them to the participant that runs the tail, which returns the model's output. The
+device never re-derives the plan: rows, windows, crops, antennas and order all come from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import grpc
+import numpy as np
+from deepco_device import pipeline
+from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
+from deepco_device.backpressure import while_busy
+from deepco_device.giveup import GiveUp
+from deepco_device.health import DriftWatch, Health
+from deepco_device.measuring import device_session as _session
+from deepco_device.pipeline import RunStopped
+from deepco_device.records import FrameResult, FrameTiming, ServerStep
+
+from deepco.planning.bands import NOT_A_SERVER
+from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
+from deepco.wire import deepco_service_pb2 as dpb
+from deepco.wire.client import ServerError, SplitJob
+from deepco.wire.split_jobs import from_rows, job_request, rows_shape
+
+if TYPE_CHECKING:
+    from deepco_device.session import Device
+
+
+class _InFlight:
+    """The gRPC calls of the frames in flight, so that a run that stops can cancel them all at once (a frozen
+    server would otherwise hold each of them until its deadline)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[Any, str] = {}  # call -> the server it waits on
+        self._lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    def add(self, call: Any, server: str) -> None:
+        with self._lock:
+            self._calls[call] = server
+        if self.stopped.is_set():
+            call.cancel()
+
+    def discard(self, call: Any) -> None:
+        with self._lock:
+            self._calls.pop(call, None)
+
+    def cancel_all(self) -> set[str]:
+        """Cancel every call in flight, and every call started from now on; the servers they waited on."""
+        self.stopped.set()
+        with self._lock:
+            calls = dict(self._calls)
+        for call in calls:
+            call.cancel()
+        return set(calls.values())
+
+
+class StagedRunner:
+    """Runs one StagedPlan on a set-up Device's channels. ``StagedRunner(dev, plan)`` makes the runner of the
+    plan's kind (`RUNNERS`), which uploads what the plan needs; a plan that does not fit leaves nothing behind
+    on the servers it did fit."""
+
+    kind: ClassVar[str] = ""
+    frames_at_once: int = 1  # frames this runner can usefully have in flight by itself (round-robin: one a server)
+
+    def __new__(cls, device: Device, plan: StagedPlan, **kwargs: Any) -> StagedRunner:
+        if cls is StagedRunner:
+            cls = RUNNERS[plan.kind]
+        return super().__new__(cls)
+
+    def __init__(self, device: Device, plan: StagedPlan, *, exchange_timeout: float = 30.0,
+                 timeout: float | None = None, log: Callable[[str], None] | None = None):
+        self.device, self.plan = device, plan
+        self.exchange_timeout = exchange_timeout
+        self.timeout = timeout or max(30.0, 20 * plan.predicted)
+        self.log = log or device.log
+        self.index = {s.name: k for k, s in enumerate(device.cluster.servers)}
+        self.predicted = plan.predicted
+        self._inflight = _InFlight()  # shared with the runners run_frames replans to
+        self.held: list[tuple[str, str]] = []  # (address, model) this runner uploaded: `close` gives them back
+        try:
+            self._prepare()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Give back the models this runner uploaded: those no other runner of the device uses are unloaded."""
+        held, self.held = self.held, []
+        for problem in self.device.uploads.drop(held):
+            self.log(f"warning: {problem}")
+
+    def _upload(self, server: str, data: bytes) -> str:
+        """Load (content-addressed, reference-counted: see device.lifecycle) and remember for `close`."""
+        client = self.device.client(self.index[server], 0)
+        name = self.device.uploads.upload(client, data, self.device.tag)
+        self.held.append((client.address, name))
+        return name
+
+    def _prepare(self) -> None:
+        raise NotImplementedError
+
+    # ---- one frame ------------------------------------------------------------------------------------
+    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        """One frame (1xCxHxW uint8 pixels): (the model's output, its timing). Raises ServerError naming the
+        server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other frames' jobs
+        hold its threads) is waited for with backoff, up to the runner's timeout."""
+        try:
+            return while_busy(lambda: self._run_frame(x), self.timeout, stop=self._inflight.stopped)
+        except ServerError:
+            if self._inflight.stopped.is_set():
+                raise RunStopped("the run stopped") from None
+            raise
+
+    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        raise NotImplementedError
+
+    # ---- a stream of frames ---------------------------------------------------------------------------
+    def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
+                   replan: Callable[[set[str]], StagedPlan] | None = None,
+                   give_up: GiveUp | None = None, drift: DriftWatch | None = None) -> Iterator[FrameResult]:
+        """Every input's result in order, ``depth`` frames in flight (device.pipeline). A server that fails,
+        or answers wrongly (a tensor that does not fit the plan), is left out of a new plan (``replan(down)``)
+        and the frame is run again on it; a frame that fails pipeline.MAX_RETRIES times (or with no server
+        left) yields an explicit error. Nothing is lost. Down servers are probed and rejoin; with ``drift`` a
+        server or antenna persistently off the plan is re-profiled and the device replans (device.health).
+
+        Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too long,
+        after cancelling the calls in flight; a failure of the device's own code or of the frame source is a
+        one-line UserError."""
+        inflight = self._inflight
+
+        def make(plan: StagedPlan) -> StagedRunner:
+            runner = StagedRunner(self.device, plan, exchange_timeout=self.exchange_timeout, log=self.log)
+            runner._inflight = inflight  # one set of calls to cancel, whichever runner started them
+            return runner
+
+        health = Health(self.device, self, make, replan, self._ready, self._server_of, drift)
+        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight)
+
+    def _ready(self, server: str) -> bool:
+        return self.device.pool.ready(server)
+
+    def _server_of(self, address: str) -> str | None:
+        """The server listening at ``address`` (on any antenna)."""
+        return self.device.pool.server_at(address)
+
+
+class LocalRunner(StagedRunner):
+    """The whole model on the device."""
+
+    kind = "local"
+
+    def _prepare(self) -> None:
+        self.whole = _session(self.device.model.SerializeToString())
+        self.whole_input = self.whole.get_inputs()[0].name
+
+    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        start = time.perf_counter()
+        output = self.whole.run(None, {self.whole_input: x})[0]
+        return output, FrameTiming(latency=time.perf_counter() - start, compute=time.perf_counter() - start)
+
+
+class OffloadRunner(StagedRunner):
+    """The whole model on one server: the device sends pixels and gets the output."""
+
+    kind = "offload"
+
+    def _prepare(self) -> None:
+        dev = self.device
+        self.whole_name = self._upload(self.plan.servers[0], dev.partitioner.whole().SerializeToString())
+        self.whole_input = dev.model.graph.input[0].name
+        self.output_shape = value_shape(dev.model.graph.output[0])  # what the server's answer must be
+        self.output_dtype = value_dtype(dev.model.graph.output[0])
+
+    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        start = time.perf_counter()
+        server, antenna = self.plan.servers[0], self.plan.antennas[0]
+        client = self.device.client(self.index[server], antenna)
+        calls: list[Any] = []
+        try:
+            handle = client.start_run(self.whole_name, {self.whole_input: x}, timeout=self.timeout,
+                                      started=lambda call: (calls.append(call), self._inflight.add(call, server)))
+            if self.device.pace:  # hold the antenna as a split plan's senders do (EMULATED bandwidth)
+                pause = start + x.nbytes / self.device.measured.antenna_bytes_per_second[antenna] \
+                    - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+            sent = time.perf_counter() - start
+            outputs, compute, queued = handle.result()
+        finally:
+            for call in calls:
+                self._inflight.discard(call)
+        what = f"the output of {server}"
+        output = check_tensor(only_output(outputs, what, client.address), self.output_shape, self.output_dtype,
+                              what, client.address)
+        return output, FrameTiming(latency=time.perf_counter() - start, sent=sent, compute=compute, queue=queued,
+                                   server=server)
+
+
+class RoundRobinRunner(StagedRunner):
+    """Whole frames dealt to the plan's servers in turn, an offload runner each."""
+
+    kind = "round-robin"
+
+    @property
+    def frames_at_once(self) -> int:
+        return len(self.plan.servers)
+
+    def _prepare(self) -> None:
+        self.turns: list[OffloadRunner] = []
+        for s, m in zip(self.plan.servers, self.plan.antennas, strict=True):
+            self.turns.append(OffloadRunner(self.device, offload_plan_on(s, m), timeout=self.timeout, log=self.log))
+        self._next = itertools.count()
+        self._turn_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Give back every turn's models."""
+        for turn in getattr(self, "turns", []):
+            turn.close()
+        super().close()
+
+    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        with self._turn_lock:
+            turn = self.turns[next(self._next) % len(self.turns)]
+        return turn._run_frame(x)
+
+
+@dataclass
+class _Sends:
+    """What one split frame's senders left behind: the participants' event streams and times, or a failure."""
+
+    streams: dict[int, SplitJob] = field(default_factory=dict)
+    send_start: dict[int, float] = field(default_factory=dict)
+    sent_at: dict[int, float] = field(default_factory=dict)
+    failure: list[ServerError] = field(default_factory=list)
+    crashed: list[BaseException] = field(default_factory=list)  # a sender's own failure (not the server's)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SplitRunner(StagedRunner):
+    """A split plan: one SplitRun job per participant (see the module doc)."""
+
+    kind = "split"
+
+    def _prepare(self) -> None:
+        dev, plan = self.device, self.plan
+        p = dev.partitioner
+        parts = _stage_models(dev, tuple(plan.levels))
+        data = parts["segments"]
+        self.segment_names = []
+        for server in plan.servers:
+            if server != DEVICE:
+                self.segment_names = [self._upload(server, d) for d in data]
+        if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
+            if "own" not in parts:
+                parts["own"] = _session(data[0])
+            self.own = parts["own"]
+            self.own_input = self.own.get_inputs()[0].name
+        tail = parts["tail"]
+        # What the servers' answers must be: bands of the last level, or the tail's output (as NCHW on the wire)
+        last = p.cut(plan.levels[-1])
+        self.band_shape = (1, last.channels, None, last.width)
+        self.band_dtype = value_dtype(tail.graph.input[0])
+        self.output_shape = value_shape(tail.graph.output[0])
+        self.output_dtype = value_dtype(tail.graph.output[0])
+        if plan.tail is None:
+            if "tail_session" not in parts:
+                parts["tail_session"] = _session(parts["tail_bytes"])
+            self.tail = parts["tail_session"]
+            self.tail_input = self.tail.get_inputs()[0].name
+            self.tail_name = ""
+        else:
+            self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
+        self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
+                      for s in plan.servers]
+        self.row_bytes = dev.channels * dev.width * p.graph.itemsize
+
+    def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
+        """The SplitRequest of participant ``i`` for frame ``x`` under job id ``job`` (deepco.wire.split_jobs)."""
+        plan = self.plan
+        return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
+                           windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
+                           lookahead=plan.lookahead, tail=plan.servers.index(plan.tail) if plan.tail else None,
+                           tail_model=self.tail_name)
+
+    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+        start = time.perf_counter()
+        with contextlib.ExitStack() as calls:
+            remote = [i for i in range(len(self.plan.servers)) if self.plan.servers[i] != DEVICE]
+            sends = self._send_all(x, start, remote, calls)
+            sent = time.perf_counter() - start
+            results: dict[int, tuple[dpb.SplitResult, float]] = {}
+            own_band = self._own_band(x, start, results) if DEVICE in self.plan.servers and not sends.failure \
+                else None
+            self._collect_all(sends, start, remote, results)
+            collected = time.perf_counter()
+            output, began, tail_seconds = self._finish(results, own_band, collected)
+            end = time.perf_counter()
+            return output, FrameTiming(latency=end - start, sent=sent, collected=collected - start,
+                                       stitch=began - collected, tail=tail_seconds,
+                                       servers=self._steps(sends, results))
+
+    def _send_all(self, x: np.ndarray, start: float, remote: list[int], calls: contextlib.ExitStack) -> _Sends:
+        """Start every remote participant's job, one sender thread per antenna sending in the plan's order;
+        returns when every input is sent (or a send failed)."""
+        plan = self.plan
+        sends = _Sends()
+        by_antenna: dict[int, list[int]] = {}
+        for i in sorted(remote, key=lambda i: plan.order[i]):
+            by_antenna.setdefault(plan.antennas[i], []).append(i)
+        job = uuid.uuid4().hex
+        threads = [threading.Thread(target=self._sender, args=(m, by_antenna[m], job, x, start, sends, calls),
+                                    daemon=True) for m in by_antenna]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sends
+
+    def _sender(self, m: int, participants: list[int], job: str, x: np.ndarray, start: float, sends: _Sends,
+                calls: contextlib.ExitStack) -> None:
+        """Send ``participants`` their inputs over antenna ``m``, one after another."""
+        dev, plan = self.device, self.plan
+        for i in participants:
+            client = dev.client(self.index[plan.servers[i]], m)
+            began = time.perf_counter()
+            sends.send_start[i] = began - start
+            try:
+                handle = client.start_split(self.request(job, i, x), timeout=self.timeout)
+                self._inflight.add(handle.call, plan.servers[i])
+                calls.callback(self._inflight.discard, handle.call)
+                with sends.lock:
+                    sends.streams[i] = handle
+                handle.received()
+            except ServerError as exc:
+                sends.failure.append(exc)
+                return
+            except BaseException as exc:  # noqa: BLE001 - the frame's thread raises it
+                sends.crashed.append(exc)
+                return
+            if dev.pace:  # hold the antenna for as long as these bytes take at its bandwidth (EMULATED)
+                a, b = plan.windows[0][i]
+                pause = began + (b - a) * self.row_bytes / dev.measured.antenna_bytes_per_second[m] \
+                    - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+            sends.sent_at[i] = time.perf_counter() - start
+
+    def _own_band(self, x: np.ndarray, start: float, results: dict[int, tuple[dpb.SplitResult, float]]) -> Any:
+        """The device's band, computed while the servers compute theirs."""
+        plan = self.plan
+        i = plan.servers.index(DEVICE)
+        (lo, hi), (a, b) = plan.windows[1][i], plan.bands[1][i]
+        began = time.perf_counter()
+        y = self.own.run(None, {self.own_input: np.ascontiguousarray(x[:, :, lo:hi, :])})[0]
+        crop = plan.crops[1][i]
+        results[i] = (dpb.SplitResult(compute_seconds=time.perf_counter() - began), time.perf_counter() - start)
+        return y[:, :, crop:crop + b - a]
+
+    def _collect_all(self, sends: _Sends, start: float, remote: list[int],
+                     results: dict[int, tuple[dpb.SplitResult, float]]) -> None:
+        """Every remote participant's result (with when it came) into ``results``; the first failure (its root
+        cause) is raised, after cancelling every job of the frame."""
+
+        def collect(i: int) -> tuple[dpb.SplitResult, float]:
+            return sends.streams[i].result(), time.perf_counter() - start
+
+        try:
+            if sends.crashed:
+                raise sends.crashed[0]
+            if sends.failure:
+                raise sends.failure[0]
+            with ThreadPoolExecutor(max_workers=len(remote)) as pool:
+                futures = {pool.submit(collect, i): i for i in remote}
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                errors = [f.exception() for f in done if f.exception() is not None]
+                if errors:
+                    raise root_cause(errors)
+                for f, i in futures.items():
+                    results[i] = f.result()
+        except BaseException:
+            for events in sends.streams.values():
+                events.cancel()
+            raise
+
+    def _finish(self, results: dict[int, tuple[dpb.SplitResult, float]], own_band: Any,
+                collected: float) -> tuple[np.ndarray, float, float]:
+        """The model's output from the participants' results: the tail participant's, or the bands stitched
+        and the tail run on the device. (output, when the tail began, the tail's seconds)."""
+        dev, plan = self.device, self.plan
+        if plan.tail is not None:
+            c = plan.servers.index(plan.tail)
+            address = dev.client(self.index[plan.tail], 0).address
+            wire = rows_shape(self.output_shape)
+            array = check_rows(results[c][0].output, 0, wire, self.output_dtype, f"the output of {plan.tail}", address)
+            return from_rows(array, len(self.output_shape)), collected, 0.0
+        pieces = []
+        for i, server in enumerate(plan.servers):
+            if server == DEVICE:
+                pieces.append(own_band)
+                continue
+            a, b = plan.bands[-1][i]
+            band = (*self.band_shape[:2], b - a, self.band_shape[3])
+            pieces.append(check_rows(results[i][0].output, a, band, self.band_dtype, f"the band of {server}",
+                                     dev.client(self.index[server], 0).address))
+        stitched = np.ascontiguousarray(np.concatenate(pieces, axis=2))
+        began = time.perf_counter()
+        output = self.tail.run(None, {self.tail_input: stitched})[0]
+        return output, began, time.perf_counter() - began
+
+    def _steps(self, sends: _Sends, results: dict[int, tuple[dpb.SplitResult, float]]) -> tuple[ServerStep, ...]:
+        plan = self.plan
+        steps = []
+        for i in range(len(plan.servers)):
+            r, finish = results[i]
+            steps.append(ServerStep(
+                name=plan.servers[i], antenna=plan.antennas[i], rows=tuple(plan.windows[0][i]),
+                band=tuple(plan.bands[-1][i]), send_start=sends.send_start.get(i, 0.0),
+                received=sends.sent_at.get(i, 0.0), finish=finish, compute=r.compute_seconds,
+                exchange_wait=r.exchange_wait_seconds, queue=r.queue_seconds,
+                messages_received=r.messages_received, messages_sent=r.messages_sent,
+                bytes_received=r.bytes_received, bytes_sent=r.bytes_sent))
+        return tuple(steps)
+
+
+# The one place a plan's kind picks code: its runner.
+RUNNERS: dict[str, type[StagedRunner]] = {r.kind: r for r in (LocalRunner, OffloadRunner, RoundRobinRunner,
+                                                              SplitRunner)}
+
+
+def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
+    """The segment models (bytes) and the tail (model, bytes; ORT sessions added by the runners) of a chain of
+    levels, extracted once per device: a replan onto the same levels (failover, drift, rejoin) then costs
+    no model extraction."""
+    parts = device.stage_models.get(levels)
+    if parts is None:
+        p = device.partitioner
+        segments = p.segments(levels[-1], models=True, through=list(levels[:-1]))
+        _, tail = p.split(levels[-1])
+        parts = {"segments": [seg.model.SerializeToString() for seg in segments], "tail": tail,
+                 "tail_bytes": tail.SerializeToString()}
+        device.stage_models[levels] = parts
+    return parts
+
+
+def root_cause(errors: list[BaseException]) -> BaseException:
+    """Of several servers' failures, the one that names the cause rather than a consequence (a cancelled
+    job, or a peer that stopped waiting because of it)."""
+    def rank(exc: BaseException) -> int:
+        code = getattr(exc, "code", None)
+        return {grpc.StatusCode.CANCELLED: 2, grpc.StatusCode.DEADLINE_EXCEEDED: 1}.get(code, 0)
+
+    return min(errors, key=rank)
