@@ -20,6 +20,8 @@ from attack_support import (
     TYPED_CASES,
     Prober,
     answer_within,
+    compressed_echo,
+    headers_only,
     identity_model,
     peak_mb,
     repeated_outputs_request,
@@ -27,11 +29,14 @@ from attack_support import (
     rss_mb,
     string_doubling_model,
     typed_request,
+    unread_replies,
     wide_conv_transpose_model,
 )
+from deepco_server.app import ServeConfig, Server
 from deepco_server.model_checks import SizeBound, check_fixed_size_elements, parse_model
+from deepco_server.security import ServerSecurity
 from onnx import TensorProto, helper
-from test_server_support import conv_model, reference, serve_process
+from test_server_support import conv_model, metric_sum, reference, scrape, serve_process
 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
@@ -154,6 +159,17 @@ def test_repeated_output_names_are_invalid_argument(attacked: Attacked, probed: 
         np.testing.assert_allclose(c.infer("conv", X), reference(MODEL, X), rtol=0, atol=1e-5)
 
 
+# 6 -------------------------------------------------------------------------------------------------------------
+
+def test_compressed_requests_are_refused_before_they_inflate(attacked: Attacked, probed: Prober) -> None:
+    """249 KiB of gzip inflated to 250 MiB before --max-held-bytes saw it (peak 4.1 GB). Here: 48 MiB (over
+    the 32 MiB held-bytes budget) in 48 KiB, twice."""
+    outcomes = [compressed_echo(attacked.address, 48 * MIB) for _ in range(2)]
+    assert outcomes == ["UNIMPLEMENTED"] * 2, outcomes
+    with InferenceClient(attacked.address, timeout=10) as c:  # uncompressed clients are served as before
+        np.testing.assert_allclose(c.infer("conv", X), reference(MODEL, X), rtol=0, atol=1e-5)
+
+
 # 9 -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("datatype", sorted(TYPED_CASES))
@@ -177,6 +193,60 @@ def test_out_of_range_typed_contents_are_invalid_argument(attacked: Attacked, pr
                 assert reply.outputs[0].datatype == datatype
         finally:
             c.unload_model(name)
+
+
+# 3 -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["/inference.GRPCInferenceService/ServerReady",
+                                    "/inference.GRPCInferenceService/ServerLive", "/grpc.health.v1.Health/Check"])
+def test_headers_only_probes_do_not_freeze_the_probes(attacked: Attacked, probed: Prober, method: str) -> None:
+    """Two probe calls that sent their headers and never their body held both probe threads: every probe timed
+    out for as long as their connection stayed open."""
+    with headers_only(attacked.address, method, 4):
+        time.sleep(1.5)
+        outcomes = answer_within(attacked.address)
+    assert all(o.startswith(("OK", "NOT_FOUND")) for o in outcomes.values()), outcomes
+
+
+# 8 -------------------------------------------------------------------------------------------------------------
+
+def test_headers_only_control_calls_do_not_freeze_control_calls() -> None:
+    """Four headers-only RepositoryIndex calls (with the token) left ServerMetadata, index, unload and
+    ModelReady unanswered despite --stream-idle-timeout: a control call's body now has 2 s to come."""
+    token = "t0ken-for-tests"
+    auth = (("authorization", f"Bearer {token}"),)
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1, metrics_port=0, security=ServerSecurity(token=token)))
+    try:
+        with Prober(srv.address) as prober, headers_only(
+                srv.address, "/inference.GRPCInferenceService/RepositoryIndex", 8, metadata=auth) as stalled:
+            time.sleep(0.5)
+            outcomes = answer_within(srv.address, metadata=auth)
+            assert all(o.startswith(("OK", "NOT_FOUND")) for o in outcomes.values()), outcomes
+            for call in stalled:  # and the stalled ones are cancelled once their body is 2 s late
+                with pytest.raises(grpc.RpcError) as info:
+                    call.result(timeout=10)
+                assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert not prober.failed, prober.failed
+        assert metric_sum(scrape(srv.metrics_port), "deepco_refusals_total", reason="body_deadline") >= 8
+    finally:
+        srv.stop(grace=1)
+
+
+# 4 -------------------------------------------------------------------------------------------------------------
+
+def test_unread_replies_count_until_flushed_and_stall_out(attacked: Attacked, probed: Prober) -> None:
+    """Echo replies on streams whose client never grants flow-control window piled up in gRPC's buffers once
+    the handler returned (40 streams: 3.6 GB). Now a reply holds its slot and bytes until it is flushed: the
+    excess is refused, the held ones are cancelled after --stream-idle-timeout (2 s here)."""
+    ended = unread_replies(attacked.address, 24, 8 * MIB, seconds=10)
+    assert len(ended) == 24, ended  # every stream ended, none waits for a window that never comes
+    refused = sum(1 for v in ended.values() if v == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    assert refused >= 24 - HELD // (8 * MIB), ended
+    assert set(ended.values()) <= {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], grpc.StatusCode.CANCELLED.value[0],
+                                   "reset"}, ended
+    samples = scrape(_metrics_port(attacked))
+    assert metric_sum(samples, "deepco_request_bytes_held") == 0
+    assert metric_sum(samples, "deepco_refusals_total", reason="write_stall") >= 1
 
 
 # 5 -------------------------------------------------------------------------------------------------------------
