@@ -20,7 +20,7 @@ from deepco_server.dataplane import ServerState
 from deepco_server.errors import ServerFault, Unavailable, invalid
 from deepco_server.models import PLATFORM, model_from_load_request
 from deepco_server.modnn import ModnnService, parse_request
-from deepco_server.security import client_identity
+from deepco_server.security import client_identity, sender_identity
 from deepco_server.triton_extensions import (
     add_classification,
     classification_counts,
@@ -293,5 +293,5 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
                       context: grpc.ServicerContext) -> dpb.ExchangeAck:
         """MoDNN, server to server: a peer's boundary rows for the jobs running (or about to run) here."""
         with _answering("ModnnExchange", context):
-            return self.modnn.exchange(request_iterator)
+            return self.modnn.exchange(request_iterator, sender_identity(context))
         raise AssertionError("unreachable: context.abort raises")

@@ -23,6 +23,7 @@ from attack_support import (
     compressed_echo,
     headers_only,
     identity_model,
+    made_up_exchanges,
     peak_mb,
     repeated_outputs_request,
     reset_peak,
@@ -41,6 +42,7 @@ from test_server_support import conv_model, metric_sum, reference, scrape, serve
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.rows import encode_rows
 
 MIB = 1 << 20
 REQUEST, HELD, INFLIGHT = 16 * MIB, 32 * MIB, 2
@@ -230,6 +232,33 @@ def test_headers_only_control_calls_do_not_freeze_control_calls() -> None:
         assert metric_sum(scrape(srv.metrics_port), "deepco_refusals_total", reason="body_deadline") >= 8
     finally:
         srv.stop(grace=1)
+
+
+# 7 -------------------------------------------------------------------------------------------------------------
+
+def _one_stage_job(job_id: str, address: str) -> dpb.ModnnRequest:
+    """A one-stage lookahead split (one 3x3 conv) that talks to no peer: it needs only its mailbox here."""
+    level0 = dpb.ModnnLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)])
+    level1 = dpb.ModnnLevel(owned=[dpb.RowRange(start=0, stop=4), dpb.RowRange(start=4, stop=8)],
+                            window=[dpb.RowRange(start=0, stop=5), dpb.RowRange(start=3, stop=8)], crop=[0, 1])
+    window = np.zeros((1, 3, 5, 8), np.float32)
+    return dpb.ModnnRequest(job_id=job_id, peers=[address, "127.0.0.1:9"], server_index=0, segment_models=["conv"],
+                            levels=[level0, level1], input=encode_rows(window, 0), lookahead=True)
+
+
+def test_made_up_exchange_jobs_do_not_block_split_jobs(attacked: Attacked, probed: Prober) -> None:
+    """17 exchange messages with made-up job ids filled the 16 global mailboxes: every split job failed
+    RESOURCE_EXHAUSTED for 60 s, renewably. Now they fill only their sender's share."""
+    ended = made_up_exchanges(attacked.address, 40)
+    assert ended.get("RESOURCE_EXHAUSTED", 0) >= 30, ended  # past the sender's share
+    with grpc.insecure_channel(attacked.address) as channel:  # a victim's split job runs
+        run = channel.unary_stream("/deepco.DeepcoService/ModnnRun",
+                                   request_serializer=dpb.ModnnRequest.SerializeToString,
+                                   response_deserializer=dpb.RunEvent.FromString)
+        events = list(run(_one_stage_job("victim", attacked.address), timeout=10))
+    assert events[-1].HasField("modnn_result"), events
+    assert made_up_exchanges(attacked.address, 1, prefix="early") == {"OK": 1}  # another sender's early rows
+    assert metric_sum(scrape(_metrics_port(attacked)), "deepco_refusals_total", reason="mailbox") >= 30
 
 
 # 4 -------------------------------------------------------------------------------------------------------------
