@@ -76,6 +76,18 @@ SWEEP_SECONDS = 0.5
 QUIET_SECONDS = 1.0
 
 
+_running = threading.local()  # .holding: what the admitted call this thread serves holds
+
+
+def reserve(size: int) -> bool:
+    """Count ``size`` bytes that the call served on this thread is about to allocate for its reply against the
+    held-bytes budget, before it allocates them (a reply is counted anyway once built, until it is flushed:
+    this refuses one that would not fit before its bytes exist). False if they do not fit: refuse the call.
+    True outside an admitted call."""
+    holding = getattr(_running, "holding", None)
+    return holding is None or holding.hold(size)
+
+
 def budget_class(handler: grpc.RpcMethodHandler, method: str) -> str:
     """The class of calls (PROBE, STREAM, WORK or CONTROL) that ``handler`` of ``method`` belongs to.
 
@@ -387,7 +399,11 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                     request = watched.reading(parsed(requests)) if watched is not None else parsed(requests)
                 if response_streaming:
                     return _released_after(inner(request, context), holding, watched, context, over_budget)
-                reply = inner(request, context)
+                _running.holding = holding
+                try:
+                    reply = inner(request, context)
+                finally:
+                    _running.holding = None
                 size = reply.ByteSize() if hasattr(reply, "ByteSize") else len(reply)
                 if not holding.settle(size):
                     over_budget(context, "reply", size)

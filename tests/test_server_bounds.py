@@ -276,6 +276,9 @@ def test_unread_replies_count_until_flushed_and_stall_out(attacked: Attacked, pr
     samples = scrape(_metrics_port(attacked))
     assert metric_sum(samples, "deepco_request_bytes_held") == 0
     assert metric_sum(samples, "deepco_refusals_total", reason="write_stall") >= 1
+    # A reply over the budget on its own is refused before its bytes exist (Echo reserves them first).
+    ended = unread_replies(attacked.address, 8, 64 * MIB, seconds=10)
+    assert list(ended.values()) == [grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] * 8, ended
 
 
 # 5 -------------------------------------------------------------------------------------------------------------
