@@ -14,18 +14,26 @@ reads a unary request on that thread before the handler sees it. Two floods brok
 interceptors on its polling thread), and runs each class of call on its own pool (gRPC's per-behaviour
 ``experimental_thread_pool``):
 
-- *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused;
+- *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused, and their request is never
+  read (an empty one stands in for it): two probes whose body never came held both probe threads, and every
+  probe timed out for as long as their connection stayed open;
 - *streams* (every method streaming its request or its response: Health/Watch, Run, ModnnRun, ModnnExchange):
   at most ``stream_slots`` at once, a thread each; one that sees no message read or written for
   ``idle_seconds`` is cancelled, which frees its thread;
 - *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
   thread each; one whose request does not arrive within ``idle_seconds`` is cancelled too;
-- *control* (the rest: metadata, index, unload, ...): a few threads, at most ``max_queue`` waiting for one;
+- *control* (the rest: metadata, index, unload, ...): at most ``CONTROL_THREADS + max_queue`` at once, a thread
+  each, whose request must arrive within ``CONTROL_BODY_SECONDS`` (four headers-only RepositoryIndex calls held
+  every control thread before);
 - *refusals*: a call over its budget is answered RESOURCE_EXHAUSTED at once by a handler that never reads
   its request (so an 8 MiB request costs no thread time and no memory beyond gRPC's flow-control window).
 
-Stream and work calls with a unary request also count its bytes against ``max_held_bytes`` while they hold
-it; a request that would go over is refused RESOURCE_EXHAUSTED (and dropped at once). The interceptor runs
+Stream, work and control calls with a unary request also count its bytes against ``max_held_bytes`` while they
+hold it; a request that would go over is refused RESOURCE_EXHAUSTED (and dropped at once). A unary reply counts
+in its request's place from when the handler returns until gRPC has flushed it (gRPC keeps it in its buffers
+while the client grants no flow-control window: 40 such Echo replies took 3.6 GB), keeping the call's slot;
+one not flushed within ``idle_seconds`` is cancelled (a write stall). Refusals are counted by reason
+(server.refusals). The interceptor runs
 before the token check in the chain but asks it first, so a caller without the token holds no slot.
 """
 

@@ -16,11 +16,11 @@ by a ModnnRun expires. Memory and threads are bounded: at most MAX_JOBS jobs run
 MAX_MAILBOXES mailboxes of jobs not running here (yet) and MAX_MAILBOX_BYTES of rows are held, and every wait
 has a deadline. A running job's mailbox never waits for room: those opened early live in a pool of their own,
 at most ORPHANS_PER_SENDER per sender (its certificate's identity, the token group, or without either its
-connection), and a sender under its share takes the place of the oldest of the sender holding the most, so
-made-up job ids fill only their sender's share (17 of them blocked every split job for a minute before). A job holds
-one of this server's gRPC worker threads for its ModnnRun and one for each peer's incoming ModnnExchange
-stream; a job is admitted only while the running jobs' threads fit the thread budget (see `Mailboxes`), so
-that jobs cannot starve each other's exchange streams of threads.
+connection), and when the pool is full a sender takes the place of the oldest of the sender holding the most,
+if that one holds more than it does, so made-up job ids fill only their sender's share (17 of them blocked
+every split job for a minute before). A job holds one of this server's gRPC worker threads for its ModnnRun
+and one for each peer's incoming ModnnExchange stream; a job is admitted only while the running jobs' threads
+fit the thread budget (see `Mailboxes`), so that jobs cannot starve each other's exchange streams of threads.
 """
 
 from __future__ import annotations
@@ -124,8 +124,13 @@ class Mailboxes:
             raise ResourceExhausted(f"MoDNN: this sender already opened {held[sender]} mailboxes for jobs not "
                                     f"running here, the limit ({self.per_sender}); retry later")
         if len(early) >= self.max_mailboxes:
-            most = max(held.values())
-            oldest = min((created, job) for created, job, who in early if held[who] == most)
+            # Room is taken from a sender holding more than this one (never from itself): the largest's oldest.
+            larger = {who: n for who, n in held.items() if who != sender and n > held[sender]}
+            if not larger:
+                raise ResourceExhausted(f"MoDNN: {len(early)} mailboxes for jobs not running here are open, the "
+                                        "limit, and this sender holds as many as any other; retry later")
+            most = max(larger.values())
+            oldest = min((created, job) for created, job, who in early if larger.get(who) == most)
             self._discard(oldest[1])
 
     def claim(self, job: str, threads: int = 1) -> Mailbox:

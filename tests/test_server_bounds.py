@@ -34,7 +34,9 @@ from attack_support import (
     wide_conv_transpose_model,
 )
 from deepco_server.app import ServeConfig, Server
+from deepco_server.errors import ResourceExhausted
 from deepco_server.model_checks import SizeBound, check_fixed_size_elements, parse_model
+from deepco_server.modnn import Mailboxes
 from deepco_server.security import ServerSecurity
 from onnx import TensorProto, helper
 from test_server_support import conv_model, metric_sum, reference, scrape, serve_process
@@ -259,6 +261,25 @@ def test_made_up_exchange_jobs_do_not_block_split_jobs(attacked: Attacked, probe
     assert events[-1].HasField("modnn_result"), events
     assert made_up_exchanges(attacked.address, 1, prefix="early") == {"OK": 1}  # another sender's early rows
     assert metric_sum(scrape(_metrics_port(attacked)), "deepco_refusals_total", reason="mailbox") >= 30
+
+
+def test_the_early_mailbox_pool_is_shared_between_senders() -> None:
+    """Senders arriving one after another (fresh connections) each get a share, none evicts its own mailboxes,
+    the pool never passes its size, and a job starting here always gets its mailbox."""
+    boxes = Mailboxes(max_mailboxes=16, per_sender=4)
+    for r in range(10):
+        ok = 0
+        for i in range(17):
+            try:
+                boxes.deliver(f"r{r}-{i}", 1, 1, np.zeros(4, np.float32), 0, who=f"sender{r}")
+                ok += 1
+            except ResourceExhausted:
+                pass
+        assert 1 <= ok <= 4, (r, ok)
+        assert len(boxes.boxes) <= 16
+    boxes.claim("victim")
+    boxes.deliver("victim", 1, 1, np.zeros(4, np.float32), 0, who="sender0")
+    assert boxes.take("victim", 1, 1, 0.1) is not None
 
 
 # 4 -------------------------------------------------------------------------------------------------------------
