@@ -20,6 +20,7 @@ from deepco_server.dataplane import Admission, ServerState
 from deepco_server.metrics import Metrics, ObservingInterceptor
 from deepco_server.model_checks import DEFAULT_MAX_REQUEST_BYTES
 from deepco_server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
+from deepco_server.refusals import Refusals
 from deepco_server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
 from deepco_server.service import DeepcoServicer, InferenceServicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,6 +46,11 @@ SERVER_OPTIONS = [
     # that is what gRPC buffers of a request before any handler looks at it, so 200 clients sending 8 MiB
     # requests made it hold 1-2 GB (bench/readiness_flood.py).
     ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+    # Identity only: gRPC inflates a compressed message before any handler or budget sees it (249 KiB of gzip
+    # became 250 MiB, every one refused by --max-held-bytes only after it was inflated). A client that
+    # compresses anyway is answered UNIMPLEMENTED by gRPC when its headers arrive; Triton's clients and ours
+    # send uncompressed by default.
+    ("grpc.compression_enabled_algorithms_bitset", 1),
 ]
 
 
@@ -120,13 +126,16 @@ class Server:
         self.peer_security = config.security.peer_security()
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
                             lease=config.model_lease or None, max_request_bytes=config.max_request_bytes)
-        self.state = ServerState(registry, Admission(config.max_inflight), self.peer_security, config.peers)
+        self.refusals = Refusals()
+        self.state = ServerState(registry, Admission(config.max_inflight), self.peer_security, config.peers,
+                                 refusals=self.refusals)
         # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
         self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=config.max_inflight + 2,
                                          idle_seconds=config.stream_idle_seconds, max_queue=config.max_queue,
-                                         max_held_bytes=config.max_held_bytes)
+                                         max_held_bytes=config.max_held_bytes, refusals=self.refusals)
         self.max_queue = self.budgets.max_queue
-        self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes)
+        self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes,
+                               self.refusals.counts)
         # No maximum_concurrent_rpcs: gRPC's own limit refuses whatever call comes next, readiness probes
         # included. The budgets refuse the excess of each class instead, before reading its request.
         self.grpc = grpc.server(self.budgets.control_pool, options=SERVER_OPTIONS, interceptors=self._interceptors())

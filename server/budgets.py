@@ -14,18 +14,26 @@ reads a unary request on that thread before the handler sees it. Two floods brok
 interceptors on its polling thread), and runs each class of call on its own pool (gRPC's per-behaviour
 ``experimental_thread_pool``):
 
-- *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused;
+- *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused, and their request is never
+  read (an empty one stands in for it): two probes whose body never came held both probe threads, and every
+  probe timed out for as long as their connection stayed open;
 - *streams* (every method streaming its request or its response: Health/Watch, Run, SplitRun, SplitExchange):
   at most ``stream_slots`` at once, a thread each; one that sees no message read or written for
   ``idle_seconds`` is cancelled, which frees its thread;
 - *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
   thread each; one whose request does not arrive within ``idle_seconds`` is cancelled too;
-- *control* (the rest: metadata, index, unload, ...): a few threads, at most ``max_queue`` waiting for one;
+- *control* (the rest: metadata, index, unload, ...): at most ``CONTROL_THREADS + max_queue`` at once, a thread
+  each, whose request must arrive within ``CONTROL_BODY_SECONDS`` (four headers-only RepositoryIndex calls held
+  every control thread before);
 - *refusals*: a call over its budget is answered RESOURCE_EXHAUSTED at once by a handler that never reads
   its request (so an 8 MiB request costs no thread time and no memory beyond gRPC's flow-control window).
 
-Stream and work calls with a unary request also count its bytes against ``max_held_bytes`` while they hold
-it; a request that would go over is refused RESOURCE_EXHAUSTED (and dropped at once). The interceptor runs
+Stream, work and control calls with a unary request also count its bytes against ``max_held_bytes`` while they
+hold it; a request that would go over is refused RESOURCE_EXHAUSTED (and dropped at once). A unary reply counts
+in its request's place from when the handler returns until gRPC has flushed it (gRPC keeps it in its buffers
+while the client grants no flow-control window: 40 such Echo replies took 3.6 GB), keeping the call's slot;
+one not flushed within ``idle_seconds`` is cancelled (a write stall). Refusals are counted by reason
+(server.refusals). The interceptor runs
 before the token check in the chain but asks it first, so a caller without the token holds no slot.
 """
 
@@ -40,6 +48,7 @@ from typing import Any
 import grpc
 from deepco_server.memory import release_freed_memory
 from deepco_server.parsing import deferred, parsed
+from deepco_server.refusals import Refusals
 from deepco_server.rpc import behavior, is_refusal, on_pool, refusal, split_method
 
 # Probes and work are named, not derived: like control calls they are unary-unary, so a handler's streaming
@@ -67,9 +76,24 @@ DEFAULT_MAX_HELD_BYTES = 1 << 30
 PROBE_THREADS = 2  # a probe takes microseconds of a thread
 REFUSAL_THREADS = 2  # so does a refusal: it sends a status and reads nothing
 CONTROL_THREADS = 4
+# A control call's request (a name, a few parameters) must arrive this soon after its headers (at most
+# --stream-idle-timeout): one whose body never comes held a control thread for as long as its connection lived.
+CONTROL_BODY_SECONDS = 2.0
 SWEEP_SECONDS = 0.5
 # Freed memory is given back to the system (server.memory) once no call (probes aside) arrived for this long.
 QUIET_SECONDS = 1.0
+
+
+_running = threading.local()  # .holding: what the admitted call this thread serves holds
+
+
+def reserve(size: int) -> bool:
+    """Count ``size`` bytes that the call served on this thread is about to allocate for its reply against the
+    held-bytes budget, before it allocates them (a reply is counted anyway once built, until it is flushed:
+    this refuses one that would not fit before its bytes exist). False if they do not fit: refuse the call.
+    True outside an admitted call."""
+    holding = getattr(_running, "holding", None)
+    return holding is None or holding.hold(size)
 
 
 def budget_class(handler: grpc.RpcMethodHandler, method: str) -> str:
@@ -175,6 +199,27 @@ class _Holding:
             self.size += size
             return True
 
+    def unhold(self, size: int) -> None:
+        """Give back ``size`` request or reply bytes held before (a streamed reply message went out)."""
+        with self._lock:
+            if self._done:
+                return
+            self._held.give(size)
+            self.size -= size
+
+    def settle(self, reply: int) -> bool:
+        """Trade the request's bytes (read, no longer needed) for its reply's, held until the reply is flushed;
+        False if the reply does not fit the held-bytes budget."""
+        with self._lock:
+            if self._done:
+                return True
+            self._held.give(self.size)
+            self.size = 0
+            if not self._held.take(reply):
+                return False
+            self.size = reply
+            return True
+
     def release(self) -> None:
         with self._lock:
             if self._done:
@@ -196,10 +241,10 @@ class _OverBudget:
 
 
 class _Watched:
-    """An open stream: when it last moved, and how to cancel it."""
+    """An open call: when it last moved, how long it may stand still (``limit`` s), why, and how to cancel it."""
 
-    def __init__(self, context: grpc.ServicerContext):
-        self.context = context
+    def __init__(self, context: grpc.ServicerContext, limit: float, reason: str):
+        self.context, self.limit, self.reason = context, limit, reason
         self.last = time.monotonic()
 
     def touch(self) -> None:
@@ -220,16 +265,23 @@ class BudgetInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, stream_slots: int, work_slots: int, idle_seconds: float = DEFAULT_IDLE_SECONDS,
-                 max_queue: int | None = None, max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
+                 max_queue: int | None = None, max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+                 refusals: Refusals | None = None):
         self.idle_seconds = idle_seconds
         self.max_queue = 3 * CONTROL_THREADS if max_queue is None else max_queue
+        self.refusals = refusals if refusals is not None else Refusals()
         self._streams = _Lane("stream", stream_slots)
         self._work = _Lane("inference/upload", work_slots)
+        # Control calls: CONTROL_THREADS running plus --max-queue more at once, each with a thread of its own
+        # (one waiting for its body holds a thread, for CONTROL_BODY_SECONDS at most).
+        self._control = _Lane("control", CONTROL_THREADS + self.max_queue)
         self._held = _HeldBytes(max_held_bytes)
-        self.control_pool = CountingExecutor(CONTROL_THREADS, thread_name_prefix="deepco-control")
+        # gRPC's default executor: what no lane takes (an unknown method's refusal) runs here.
+        self.control_pool = CountingExecutor(CONTROL_THREADS, thread_name_prefix="deepco-default")
         self._probes = CountingExecutor(PROBE_THREADS, thread_name_prefix="deepco-probe")
         self._refusals = CountingExecutor(REFUSAL_THREADS, thread_name_prefix="deepco-refuse")
-        self._pools = (self.control_pool, self._probes, self._refusals, self._streams.pool, self._work.pool)
+        self._pools = (self.control_pool, self._probes, self._refusals, self._streams.pool, self._work.pool,
+                       self._control.pool)
         self._open: dict[int, _Watched] = {}
         self._since: float | None = None  # the last call (probes aside) since memory was last given back
         self._lock = threading.Lock()
@@ -260,8 +312,12 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                 self._since = None
                 release_freed_memory()
             with self._lock:
-                idle = [w for w in self._open.values() if now - w.last > self.idle_seconds]
+                idle = [w for w in self._open.values() if now - w.last > w.limit]
+                for watched in idle:  # cancelled once
+                    self._open.pop(id(watched), None)
             for watched in idle:
+                self.refusals.count(watched.reason, f"a call stood still for {watched.limit:g}s ({watched.reason}); "
+                                    "cancelled")
                 watched.context.cancel()  # the call ends CANCELLED; its thread returns to the pool
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
@@ -271,24 +327,23 @@ class BudgetInterceptor(grpc.ServerInterceptor):
             return handler
         method = details.method
         if method in PROBE_METHODS:
-            return on_pool(handler, self._probes)
+            return on_pool(_bodiless(handler), self._probes)
         self._since = time.monotonic()
         if is_refusal(handler):  # the token check's: it reads nothing, and its streaming flags are not the method's
             return on_pool(handler, self._refusals)
-        lane = {WORK: self._work, STREAM: self._streams}.get(budget_class(handler, method))
-        if lane is None:
-            if self.control_pool.queued >= self.max_queue:
-                return on_pool(refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"server busy: {self.max_queue} calls already wait for a thread "
-                                       f"(--max-queue; {split_method(method)[1]} refused); retry later"),
-                               self._refusals)
-            return handler
+        lane = {WORK: self._work, STREAM: self._streams}.get(budget_class(handler, method), self._control)
         if not lane.take():
-            return on_pool(refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, lane.busy(method)), self._refusals)
+            message = lane.busy(method)
+            if lane is self._control:
+                message = (f"server busy: {lane.limit} control calls already open (--max-queue; "
+                           f"{split_method(method)[1]} refused); retry later")
+            self.refusals.count("queue" if lane is self._control else "slots", message)
+            return on_pool(refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, message), self._refusals)
         return on_pool(self._admitted(handler, method, lane), lane.pool)
 
-    def _watch(self, context: grpc.ServicerContext) -> tuple[_Watched, Callable[[], None]]:
-        watched = _Watched(context)
+    def _watch(self, context: grpc.ServicerContext, limit: float,
+               reason: str) -> tuple[_Watched, Callable[[], None]]:
+        watched = _Watched(context, limit, reason)
         with self._lock:
             self._open[id(watched)] = watched
 
@@ -299,13 +354,19 @@ class BudgetInterceptor(grpc.ServerInterceptor):
         return watched, unwatch
 
     def _admitted(self, handler: grpc.RpcMethodHandler, method: str, lane: _Lane) -> grpc.RpcMethodHandler:
-        """``handler`` as a call holding a slot of ``lane``, given back when it ends however it ends.
+        """``handler`` as a call holding a slot of ``lane``, given back when the call ends however it ends.
 
         The handler is rebuilt to take its request as a stream, which gRPC always hands to the behaviour (a
         unary request the client cancels mid-way would otherwise skip it, and the slot would leak). Its
         deserializer, run by gRPC on its polling thread as the request arrives, only counts a unary request's
         bytes against the held-bytes budget (or drops them, over it); the message is parsed on this call's
-        own thread (server.parsing).
+        own thread (server.parsing). A request must arrive within ``idle_seconds`` (a control call's within
+        CONTROL_BODY_SECONDS).
+
+        The reply counts too: gRPC keeps a unary reply in its buffers after the behaviour returns until the
+        client's flow-control window lets it out, so the call keeps its slot and the reply's bytes (instead of
+        its request's) until gRPC says the call ended, and is cancelled if the reply is not flushed within
+        ``idle_seconds`` (a write stall). A streamed reply's messages count while each is sent.
         """
         inner = behavior(handler)
         unary_request, response_streaming = not handler.request_streaming, handler.response_streaming
@@ -313,16 +374,25 @@ class BudgetInterceptor(grpc.ServerInterceptor):
         holding = _Holding(lane, self._held)
         parse = handler.request_deserializer
         defer = deferred(parse)
+        name = split_method(method)[1]
+        body_seconds = min(self.idle_seconds, CONTROL_BODY_SECONDS) if lane is self._control else self.idle_seconds
 
         def receive(data: bytes) -> Any:
             if unary_request and not holding.hold(len(data)):
                 return _OverBudget(len(data))
             return defer(data) if defer is not None else data
 
+        def over_budget(context: grpc.ServicerContext, what: str, size: int) -> None:
+            message = (f"server busy: admitted calls hold {self._held.held} bytes, this {what}'s {size} would pass "
+                       f"the {self._held.limit} limit (--max-held-bytes; {name} refused); retry later")
+            self.refusals.count("held_bytes", message)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
         def serve(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             watched = None
             if stream or unary_request:  # a work call is watched while its request arrives, not while it runs
-                watched, holding.unwatch = self._watch(context)
+                watched, holding.unwatch = self._watch(context, self.idle_seconds if stream else body_seconds,
+                                                       "idle_stream" if stream else "body_deadline")
             if not context.add_callback(holding.release):  # the call is already over
                 holding.release()
                 context.abort(grpc.StatusCode.CANCELLED, "call ended before it started")
@@ -332,25 +402,50 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                     if not stream and holding.unwatch is not None:
                         holding.unwatch()
                     if isinstance(request, _OverBudget):
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"server busy: admitted requests hold {self._held.held} bytes, this one's "
-                                      f"{request.size} would pass the {self._held.limit} limit (--max-held-bytes; "
-                                      f"{split_method(method)[1]} refused); retry later")
+                        over_budget(context, "request", request.size)
                 else:
                     request = watched.reading(parsed(requests)) if watched is not None else parsed(requests)
-                if not response_streaming:
-                    return inner(request, context)
-                return _released_after(inner(request, context), holding, watched)
+                if response_streaming:
+                    return _released_after(inner(request, context), holding, watched, context, over_budget)
+                _running.holding = holding
+                try:
+                    reply = inner(request, context)
+                finally:
+                    _running.holding = None
+                size = reply.ByteSize() if hasattr(reply, "ByteSize") else len(reply)
+                if not holding.settle(size):
+                    over_budget(context, "reply", size)
+                if stream and watched is not None:
+                    watched.touch()  # its watch goes on: a reply not flushed within idle_seconds is cancelled
+                else:
+                    _, holding.unwatch = self._watch(context, self.idle_seconds, "write_stall")
+                return reply
             except BaseException:
                 holding.release()
                 raise
-            finally:
-                if not response_streaming:
-                    holding.release()
 
         make = grpc.stream_stream_rpc_method_handler if response_streaming else grpc.stream_unary_rpc_method_handler
         return make(serve, request_deserializer=receive if parse is not None else None,
                     response_serializer=handler.response_serializer)
+
+
+def _bodiless(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A probe's handler that answers without reading its request: an empty message stands in for it.
+
+    gRPC Python reads a unary request on the worker thread before the behaviour runs, so two probes whose
+    body never came held both probe threads, and every probe timed out, for as long as their connection
+    lived. ServerLive's and ServerReady's requests have no fields; Health/Check is answered for the whole
+    server (service ""), which every service of this one shares.
+    """
+    if handler.request_streaming:  # not a probe's: leave it be
+        return handler
+    inner, parse = behavior(handler), handler.request_deserializer
+
+    def serve(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return inner(parse(b"") if parse is not None else b"", context)
+
+    return grpc.stream_unary_rpc_method_handler(serve, request_deserializer=parse,
+                                                response_serializer=handler.response_serializer)
 
 
 def _one(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
@@ -360,13 +455,22 @@ def _one(requests: Iterator[Any], context: grpc.ServicerContext, method: str) ->
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{split_method(method)[1]} needs exactly one request message")
 
 
-def _released_after(responses: Iterator[Any], holding: _Holding, watched: _Watched | None) -> Iterator[Any]:
+def _released_after(responses: Iterator[Any], holding: _Holding, watched: _Watched | None,
+                    context: grpc.ServicerContext, over_budget: Callable[[grpc.ServicerContext, str, int], None],
+                    ) -> Iterator[Any]:
+    """The replies of a streamed response, each counted against the held-bytes budget while it is sent (gRPC
+    Python's sending thread waits until a message went out); the slot is given back when the call ends."""
     try:
         for response in responses:
+            size = response.ByteSize() if hasattr(response, "ByteSize") else len(response)
+            if not holding.hold(size):
+                over_budget(context, "reply", size)
             if watched is not None:
                 watched.touch()
             yield response
+            holding.unhold(size)  # resumed: the message went out
             if watched is not None:
-                watched.touch()  # resumed: the response went out
-    finally:
+                watched.touch()
+    except BaseException:
         holding.release()
+        raise

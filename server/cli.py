@@ -64,26 +64,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uploaded ONNX bytes of all loaded models together; a load over it is refused with "
                         "RESOURCE_EXHAUSTED (default: 1073741824, 1 GiB)")
     p.add_argument("--max-queue", type=_int_at_least(0), default=None, metavar="N",
-                   help="control calls (metadata, model index, unload, ...) that may wait for one of the 4 control "
-                        "threads; the excess is refused at once with RESOURCE_EXHAUSTED. Inference, uploads and "
+                   help="control calls (metadata, model index, unload, ...) open at once beyond 4, a thread each; a "
+                        "control call's request must arrive within 2 s; the excess is refused at once with "
+                        "RESOURCE_EXHAUSTED. Inference, uploads and "
                         "streams never wait: over their budgets they are refused before their request is read; "
                         "ServerLive/ServerReady/health checks have threads of their own and are never refused "
                         "(default: 12)")
     p.add_argument("--max-held-bytes", type=_int_at_least(1), default=1 << 30, metavar="BYTES",
-                   help="request bytes that admitted inference, upload and stream calls hold at once; a request "
-                        "that would pass it is refused with RESOURCE_EXHAUSTED and dropped (default: 1073741824, "
-                        "1 GiB)")
+                   help="request bytes that admitted calls hold at once, and their replies' until the client has "
+                        "read them; a request or reply that would pass it is refused with RESOURCE_EXHAUSTED and "
+                        "dropped (default: 1073741824, 1 GiB)")
     p.add_argument("--model-lease", type=_seconds, default=600.0, metavar="SECONDS",
                    help="unload an uploaded model nobody used (loaded, ran, asked about) for this long, so a "
                         "device that died does not leak it; 0: never (default: 600)")
     p.add_argument("--max-request-bytes", type=_int_at_least(1), default=4 << 30, metavar="BYTES",
                    help="all tensors of one request together, bounded by ONNX shape inference on the request's "
                         "input shapes before it runs; over it, or not boundable (sizes that depend on input "
-                        "values), is refused with RESOURCE_EXHAUSTED (default: 4294967296, 4 GiB)")
+                        "values), is refused with RESOURCE_EXHAUSTED; convolutions' column buffers count too "
+                        "(default: 4294967296, 4 GiB)")
     p.add_argument("--stream-idle-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="cancel an open stream (Run, SplitRun, SplitExchange, Health/Watch) that sent or "
-                        "received nothing for this long, and an inference or upload call whose request took "
-                        "longer to arrive (default: 120)")
+                        "received nothing for this long, an inference or upload call whose request took "
+                        "longer to arrive, and a call whose reply the client did not read for this long "
+                        "(default: 120)")
     p.add_argument("--max-streams", type=_int_at_least(1), default=16, metavar="N",
                    help="streams open at once (Run, SplitRun, SplitExchange, Health/Watch), each holding a "
                         "worker thread; the excess is refused with RESOURCE_EXHAUSTED (default: 16)")

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 from deepco_server.errors import ResourceExhausted
 from deepco_server.models import Registry
+from deepco_server.refusals import Refusals
 from deepco_server.triton_extensions import EXTENSIONS, Statistics
 
 from deepco.wire.security import ChannelSecurity
@@ -59,8 +60,9 @@ class ServerState:
     """
 
     def __init__(self, registry: Registry, admission: Admission, peer_security: ChannelSecurity | None = None,
-                 peers: Iterable[str] = ()):
+                 peers: Iterable[str] = (), refusals: Refusals | None = None):
         self.registry, self.admission = registry, admission
+        self.refusals = refusals if refusals is not None else Refusals()  # budget refusals, counted and logged
         self.peer_security = peer_security if peer_security is not None else ChannelSecurity()
         self.peers = frozenset(peers)
         self.draining = threading.Event()

@@ -15,7 +15,9 @@ Exported (``service`` is e.g. ``inference.GRPCInferenceService``, ``method`` e.g
 - ``deepco_grpc_inflight``: RPCs running on a worker thread now; ``deepco_grpc_queued``: RPCs accepted
   and waiting for a worker thread (server.budgets: control calls, bounded by ``--max-queue``, and the
   moments between a call's admission and its thread), ``deepco_request_bytes_held``: request bytes the
-  admitted calls hold (bounded by ``--max-held-bytes``),
+  admitted calls hold (bounded by ``--max-held-bytes``; replies count until they are flushed),
+- ``deepco_refusals_total{reason}``: calls refused or cancelled by a budget (server.refusals: ``slots``,
+  ``queue``, ``held_bytes``, ``body_deadline``, ``write_stall``, ``idle_stream``, ``mailbox``),
 - ``deepco_models_loaded``, ``deepco_model_bytes{model}``, ``deepco_model_bytes_total`` and
   ``deepco_model_bytes_limit``: the loaded models and their uploaded bytes (``--max-model-bytes``).
 
@@ -46,7 +48,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 rpc_log = logging.getLogger("deepco.serve.rpc")
@@ -79,11 +81,26 @@ class _ModelsCollector(Collector):
                                 value=self._registry.max_model_bytes)
 
 
+class _RefusalsCollector(Collector):
+    """Budget refusals by reason (server.refusals), read at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]):
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """The refusal counter, now."""
+        family = CounterMetricFamily("deepco_refusals", "Calls refused or cancelled by a budget, by reason",
+                                     labels=["reason"])
+        for reason, count in sorted(self._counts().items()):
+            family.add_metric([reason], count)
+        yield family
+
+
 class Metrics:
     """The Prometheus metrics of one server."""
 
     def __init__(self, models: Registry, queued: Callable[[], int] | None = None,
-                 held_bytes: Callable[[], int] | None = None):
+                 held_bytes: Callable[[], int] | None = None, refusals: Callable[[], dict[str, int]] | None = None):
         self.registry = CollectorRegistry()
         labels = ["service", "method"]
         self.requests = Counter("deepco_grpc_requests", "Finished RPCs by status code", [*labels, "code"],
@@ -102,6 +119,8 @@ class Metrics:
         if held_bytes is not None:
             held_gauge.set_function(held_bytes)
         self.registry.register(_ModelsCollector(models))
+        if refusals is not None:
+            self.registry.register(_RefusalsCollector(refusals))
         self._http: Any = None
 
     def observe(self, service: str, method: str, code: grpc.StatusCode, seconds: float) -> None:

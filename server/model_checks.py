@@ -11,6 +11,13 @@ may take, checked before it runs.
   the nodes in order) must stay under the ``--max-request-bytes`` budget. A tensor whose size depends on
   input *values* (ConstantOfShape, Expand, Tile, Range, Resize fed by an input) has no static shape, so a
   93-byte model cannot ask for 14 GB.
+- Fixed-size elements only (:func:`check_fixed_size_elements`): a string (or a sequence, map or optional)
+  has no size its shape gives, so the bound cannot count it (a 925-byte model cast its input to STRING and
+  doubled it with StringConcat 27 times: 2.5 GB from a 4-byte request). Such a model is refused at load,
+  naming the node.
+- Kernel workspaces (:func:`workspace_bytes`): a convolution runs as a matrix product over a column buffer
+  (im2col for Conv, col2im for ConvTranspose) that is no tensor of the graph; the bound adds it at its node
+  (a ConvTranspose of kernel 32 kept its input's size but took a 4.4 GB column buffer for a 4 MiB input).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
 import onnx
-from deepco_server.errors import ResourceExhausted, invalid
+from deepco_server.errors import InvalidArgument, ResourceExhausted, invalid
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, shape_inference
 
@@ -114,6 +121,67 @@ def check_no_subgraphs(model: ModelProto, name: str) -> None:
                                         "control flow (If, Loop, Scan) only")
 
 
+# Element types whose size a tensor's shape does not give: a string is as long as its value.
+VARIABLE_SIZE_TYPES = frozenset({TensorProto.STRING})
+
+
+def _variable_type(type_proto: onnx.TypeProto) -> str | None:
+    """What makes a value of this type variable in size ("STRING", "a sequence", ...), or None if fixed."""
+    which = type_proto.WhichOneof("value")
+    if which == "tensor_type":
+        elem = type_proto.tensor_type.elem_type
+        return TensorProto.DataType.Name(elem) if elem in VARIABLE_SIZE_TYPES else None
+    if which is None:  # not inferred (an operator shape inference does not know): the request bound decides
+        return None
+    return {"sequence_type": "a sequence", "map_type": "a map", "optional_type": "an optional",
+            "sparse_tensor_type": "a sparse tensor"}.get(which, which)
+
+
+def _node_label(node: onnx.NodeProto) -> str:
+    return f"node {(node.name or node.output[0] if node.output else node.name)[:80]!r} ({node.op_type})"
+
+
+def check_fixed_size_elements(model: ModelProto, name: str) -> None:
+    """Refuse a model any of whose values has elements of no fixed size (module doc), naming the node.
+
+    What the file declares is checked (inputs, outputs, initializers, constants, a Cast's target type), then
+    what ONNX type inference derives for every node's outputs (StringConcat, CastLike, ...).
+    """
+    graph = model.graph
+
+    def refuse(where: str, what: str) -> InvalidArgument:
+        return invalid(f"model {name!r}: {where} makes {what}, whose memory this server cannot bound (it counts "
+                       "tensors of fixed-size elements only); it does not load models with string, sequence or "
+                       "map values")
+
+    producers = {o: node for node in graph.node for o in node.output}
+    for node in [*graph.node, *(n for f in model.functions for n in f.node)]:
+        for attr in node.attribute:
+            if attr.name == "to" and attr.type == AttributeProto.INT and attr.i in VARIABLE_SIZE_TYPES:
+                raise refuse(_node_label(node), TensorProto.DataType.Name(attr.i))
+        for tensor in _attribute_tensors(node):
+            if tensor.data_type in VARIABLE_SIZE_TYPES:
+                raise refuse(_node_label(node), TensorProto.DataType.Name(tensor.data_type))
+    for tensor in graph.initializer:
+        if tensor.data_type in VARIABLE_SIZE_TYPES:
+            raise refuse(f"initializer {tensor.name[:80]!r}", TensorProto.DataType.Name(tensor.data_type))
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        what = _variable_type(value.type)
+        if what is not None:
+            node = producers.get(value.name)
+            raise refuse(_node_label(node) if node is not None else f"tensor {value.name[:80]!r}", what)
+    try:
+        inferred = shape_inference.infer_shapes(_skeleton(model), strict_mode=False).graph
+    except Exception:  # an invalid graph: ONNX Runtime and the request bound refuse it with their reasons
+        return
+    types = {v.name: v.type for v in [*inferred.value_info, *inferred.output]}
+    for node in inferred.node:
+        for output in node.output:
+            what = _variable_type(types[output]) if output in types else None
+            if what is not None:
+                raise refuse(_node_label(node), what)
+
+
 def _skeleton(model: ModelProto) -> ModelProto:
     """The model for shape inference: big initializers become graph inputs of the same type and shape (shape
     inference needs their shapes, not their values), so inferring is cheap for a model of any size. Built
@@ -149,7 +217,7 @@ def _value_bytes(value: onnx.ValueInfoProto) -> int | None:
     if not value.type.HasField("tensor_type"):
         return None
     tensor = value.type.tensor_type
-    if tensor.elem_type == TensorProto.UNDEFINED or not tensor.HasField("shape"):
+    if tensor.elem_type in (TensorProto.UNDEFINED, *VARIABLE_SIZE_TYPES) or not tensor.HasField("shape"):
         return None
     dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
     if any(d < 0 for d in dims):
@@ -222,13 +290,61 @@ class SizeBound:
                            f"input shapes {shown}, so this server cannot bound the request's memory and does not "
                            "run it")
             sizes[name] = size
-        return _peak_bytes(graph, sizes, self._inputs)
+        dims = {name: _dims(v) for name, v in values.items()
+                if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+        dims.update({i.name: tuple(i.dims) for i in graph.initializer})  # small weights stay initializers
+        itemsizes = {name: size // max(math.prod(dims.get(name, ())), 1) for name, size in sizes.items()}
+        workspaces = [workspace_bytes(node, dims, itemsizes) for node in graph.node]
+        return _peak_bytes(graph, sizes, self._inputs, workspaces)
 
 
-def _peak_bytes(graph: GraphProto, sizes: dict[str, int], inputs: list[str]) -> int:
+def _dims(value: onnx.ValueInfoProto) -> tuple[int, ...]:
+    return tuple(d.dim_value for d in value.type.tensor_type.shape.dim)
+
+
+# The convolutions whose kernels work on a column buffer, and where their weight is among the inputs.
+_CONV_WEIGHT = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3, "ConvTranspose": 1}
+
+
+def workspace_bytes(node: onnx.NodeProto, dims: Mapping[str, tuple[int, ...]],
+                    itemsizes: Mapping[str, int] | None = None) -> int:
+    """Bytes of the column buffer a convolution node works on while it runs, beyond its input and output.
+
+    ONNX Runtime's CPU kernels (and most GPU ones) compute a convolution as a matrix product over a column
+    buffer of ``(channels / group) x prod(kernel) x prod(spatial)`` elements of 4 bytes (the float the
+    kernels compute in; 8 for doubles):
+
+    - ConvTranspose (col2im): the weight is ``(C_in, C_out/group, k...)``, the buffer ``C_out/group x prod(k)
+      x prod(input spatial)``: a stride-1 ConvTranspose of kernel 32 with pads 31 keeps its input's size
+      but needs 1024 times it;
+    - Conv (im2col): the weight is ``(C_out, C_in/group, k...)``, the buffer ``C_in/group x prod(k) x
+      prod(output spatial)``, none for a 1x1 kernel of stride 1 without pads (a plain matrix product).
+
+    An upper bound: ORT splits some Conv buffers in segments, or runs them in a blocked layout without one.
+    """
+    itemsizes = itemsizes or {}
+    where = _CONV_WEIGHT.get(node.op_type)
+    if where is None or len(node.input) <= where:
+        return 0
+    weight = dims.get(node.input[where])
+    x, y = dims.get(node.input[0]), dims.get(node.output[0]) if node.output else None
+    if weight is None or x is None or y is None or len(weight) < 3:
+        return 0
+    kernel = math.prod(weight[2:])
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    itemsize = 8 if itemsizes.get(node.output[0], 4) == 8 else 4
+    if node.op_type == "ConvTranspose":
+        return int(weight[1]) * kernel * math.prod(x[2:]) * itemsize
+    plain = kernel == 1 and all(s == 1 for s in attrs.get("strides", [1])) and not any(attrs.get("pads", [0]))
+    return 0 if plain else int(weight[1]) * kernel * math.prod(y[2:]) * itemsize
+
+
+def _peak_bytes(graph: GraphProto, sizes: dict[str, int], inputs: list[str],
+                workspaces: list[int] | None = None) -> int:
     """The most bytes of tensors alive at once when the nodes run in graph order (ONNX keeps them
     topologically sorted): a tensor lives from its producer (or the start, for inputs) to its last consumer
-    (or the end, for graph outputs). This is what a memory planner like ORT's needs, not the sum of all."""
+    (or the end, for graph outputs), and a node's workspace (:func:`workspace_bytes`) while it runs. This is
+    what a memory planner like ORT's needs, not the sum of all."""
     last_use = {name: len(graph.node) for name in [*inputs, *(o.name for o in graph.output)]}
     for step, node in enumerate(graph.node):
         for name in node.input:
@@ -241,7 +357,7 @@ def _peak_bytes(graph: GraphProto, sizes: dict[str, int], inputs: list[str]) -> 
         dying.setdefault(step, []).append(name)
     for step, node in enumerate(graph.node):
         live += sum(sizes[o] for o in node.output if o in sizes)
-        peak = max(peak, live)
+        peak = max(peak, live + (workspaces[step] if workspaces else 0))
         live -= sum(sizes[name] for name in dying.get(step, ()) if name in sizes)
     return peak
 

@@ -22,6 +22,7 @@ from deepco_server.errors import AlreadyExists, NotFound, ResourceExhausted, Ser
 from deepco_server.model_checks import (
     DEFAULT_MAX_REQUEST_BYTES,
     SizeBound,
+    check_fixed_size_elements,
     check_no_external_data,
     check_no_subgraphs,
     parse_model,
@@ -171,6 +172,11 @@ class LoadedModel:
         for name in requested:
             if name not in known:
                 raise invalid(f"model {self.name!r} has no output {name!r} (outputs: {', '.join(known)})")
+        if len(set(requested)) != len(requested):
+            # Each name asked for is an output in the reply: 1000 copies of one made a 1 MiB request 4 GB.
+            twice = next(n for n in requested if requested.count(n) > 1)
+            raise invalid(f"model {self.name!r}: output {twice[:80]!r} is requested more than once (each output "
+                          "at most once)")
         return requested or known
 
     def run(self, arrays: Mapping[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
@@ -370,6 +376,7 @@ class Registry:
             proto = parse_model(model_bytes, name)
             check_no_external_data(proto, name)
             check_no_subgraphs(proto, name)
+            check_fixed_size_elements(proto, name)
         except UnicodeDecodeError:
             raise invalid(f"model {name!r} is not a valid ONNX model (a name or string in it is not UTF-8)") from None
         try:

@@ -128,6 +128,19 @@ def client_identity(context: grpc.ServicerContext) -> str:
     return ""
 
 
+def sender_identity(context: grpc.ServicerContext) -> str:
+    """Who sent a call, for sharing what callers may hold between them: the certificate's identity under
+    mutual TLS; "token" for a caller that sent a token (the group that holds it: the token check refused it
+    otherwise, where a token is set); else its connection (``ipv4:HOST:PORT``), the most a transport without
+    credentials proves."""
+    identity = client_identity(context)
+    if identity:
+        return identity
+    if any(key == "authorization" for key, _ in context.invocation_metadata() or ()):
+        return "token"
+    return "peer:" + context.peer()
+
+
 def metrics_warning(port: int | None, host: str, token: str | None) -> str | None:
     """The warning line for a metrics endpoint others can reach without a token, or None."""
     if port is None or token is not None or is_loopback(host):

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+from deepco_server.budgets import reserve
 from deepco_server.dataplane import ServerState
-from deepco_server.errors import ServerFault, Unavailable, invalid
+from deepco_server.errors import ResourceExhausted, ServerFault, Unavailable, invalid
 from deepco_server.models import PLATFORM, model_from_load_request
-from deepco_server.security import client_identity
+from deepco_server.security import client_identity, sender_identity
 from deepco_server.split_jobs import SplitJobs, parse_request
 from deepco_server.triton_extensions import (
     add_classification,
@@ -249,6 +250,10 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
     def Echo(self, request: dpb.EchoRequest, context: grpc.ServicerContext) -> dpb.EchoResponse:
         if request.reply_bytes > ECHO_MAX_REPLY:
             raise invalid(f"Echo: reply_bytes must be <= {ECHO_MAX_REPLY}, got {request.reply_bytes}")
+        if not reserve(request.reply_bytes):  # counted before it exists: 40 unread 64 MiB replies took 3.6 GB
+            message = f"Echo: a reply of {request.reply_bytes} bytes does not fit --max-held-bytes now; retry later"
+            self.state.refusals.count("held_bytes", message)
+            raise ResourceExhausted(message)
         return dpb.EchoResponse(payload=bytes(request.reply_bytes))
 
     @_statuses
@@ -293,5 +298,5 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
                       context: grpc.ServicerContext) -> dpb.ExchangeAck:
         """A split job, server to server: a peer's boundary rows for the jobs running (or about to run) here."""
         with _answering("SplitExchange", context):
-            return self.split_jobs.exchange(request_iterator)
+            return self.split_jobs.exchange(request_iterator, sender_identity(context))
         raise AssertionError("unreachable: context.abort raises")

@@ -13,10 +13,14 @@ exactly when it is sent.
 Peers may send rows before this server has received its own SplitRun (the device sends the image bands
 one after another over an antenna), so a mailbox is created by whichever comes first; one never claimed
 by a SplitRun expires. Memory and threads are bounded: at most MAX_JOBS jobs run at once, at most
-MAX_MAILBOXES mailboxes and MAX_MAILBOX_BYTES of rows are held, and every wait has a deadline. A job holds
-one of this server's gRPC worker threads for its SplitRun and one for each peer's incoming SplitExchange
-stream; a job is admitted only while the running jobs' threads fit the thread budget (see `Mailboxes`), so
-that jobs cannot starve each other's exchange streams of threads.
+MAX_MAILBOXES mailboxes of jobs not running here (yet) and MAX_MAILBOX_BYTES of rows are held, and every wait
+has a deadline. A running job's mailbox never waits for room: those opened early live in a pool of their own,
+at most ORPHANS_PER_SENDER per sender (its certificate's identity, the token group, or without either its
+connection), and when the pool is full a sender takes the place of the oldest of the sender holding the most,
+if that one holds more than it does, so made-up job ids fill only their sender's share (17 of them blocked
+every split job for a minute before). A job holds one of this server's gRPC worker threads for its SplitRun
+and one for each peer's incoming SplitExchange stream; a job is admitted only while the running jobs' threads
+fit the thread budget (see `Mailboxes`), so that jobs cannot starve each other's exchange streams of threads.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ from deepco.wire.split_jobs import gatherer, to_rows
 from deepco.wire.tensors import TensorError
 
 MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
-MAX_MAILBOXES = 16  # running jobs' plus those peers opened first (expiring after ORPHAN_SECONDS)
+MAX_MAILBOXES = 16  # of jobs not running here, opened by their peers first (expiring after ORPHAN_SECONDS)
+ORPHANS_PER_SENDER = 4  # of those, opened by one sender
 MAX_MAILBOX_BYTES = 1 << 30  # rows received and not yet used, all jobs together
 ORPHAN_SECONDS = 60.0
 DEFAULT_EXCHANGE_TIMEOUT = 30.0
@@ -72,6 +77,7 @@ class Mailbox:
 
     created: float
     claimed: bool = False
+    sender: str = ""  # who opened it, if a peer's rows came before the job's SplitRun
     rows: dict[tuple[int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
 
 
@@ -79,8 +85,10 @@ class Mailboxes:
     """Per-job mailboxes, shared by the SplitRun and SplitExchange handlers."""
 
     def __init__(self, max_jobs: int = MAX_JOBS, max_mailboxes: int = MAX_MAILBOXES,
-                 max_bytes: int = MAX_MAILBOX_BYTES, threads: int | None = None):
+                 max_bytes: int = MAX_MAILBOX_BYTES, threads: int | None = None,
+                 per_sender: int = ORPHANS_PER_SENDER):
         self.max_jobs, self.max_mailboxes, self.max_bytes = max_jobs, max_mailboxes, max_bytes
+        self.per_sender = per_sender
         self.threads = threads  # worker threads split jobs may hold together (None: no limit)
         self.bytes = 0
         self._held: dict[str, int] = {}  # threads each running job holds
@@ -98,14 +106,33 @@ class Mailboxes:
         if box is not None:
             self.bytes -= sum(array.nbytes for array, _ in box.rows.values())
 
-    def _box(self, job: str) -> Mailbox:
+    def _box(self, job: str, sender: str | None = None) -> Mailbox:
+        """The mailbox of ``job``, made if need be: for a job starting here (``sender`` None) always (the
+        claims are bounded by MAX_JOBS), for a peer's early rows within the pool of jobs not running here."""
         self._sweep()
         box = self.boxes.get(job)
         if box is None:
-            if len(self.boxes) >= self.max_mailboxes:
-                raise ResourceExhausted(f"split jobs: {len(self.boxes)} job mailboxes open, the limit; retry later")
-            box = self.boxes[job] = Mailbox(time.monotonic())
+            if sender is not None:
+                self._make_room(sender)
+            box = self.boxes[job] = Mailbox(time.monotonic(), sender=sender or "")
         return box
+
+    def _make_room(self, sender: str) -> None:
+        """Room for one more mailbox opened early by ``sender`` (module doc), or RESOURCE_EXHAUSTED."""
+        early = [(box.created, job, box.sender) for job, box in self.boxes.items() if not box.claimed]
+        held = collections.Counter(who for _, _, who in early)
+        if held[sender] >= self.per_sender:
+            raise ResourceExhausted(f"split jobs: this sender already opened {held[sender]} mailboxes for jobs not "
+                                    f"running here, the limit ({self.per_sender}); retry later")
+        if len(early) >= self.max_mailboxes:
+            # Room is taken from a sender holding more than this one (never from itself): the largest's oldest.
+            larger = {who: n for who, n in held.items() if who != sender and n > held[sender]}
+            if not larger:
+                raise ResourceExhausted(f"split jobs: {len(early)} mailboxes for jobs not running here are open, the "
+                                        "limit, and this sender holds as many as any other; retry later")
+            most = max(larger.values())
+            oldest = min((created, job) for created, job, who in early if larger.get(who) == most)
+            self._discard(oldest[1])
 
     def claim(self, job: str, threads: int = 1) -> Mailbox:
         """The mailbox of a job starting here that holds ``threads`` worker threads (RESOURCE_EXHAUSTED past
@@ -130,12 +157,13 @@ class Mailboxes:
             self._held[job] = threads
             return box
 
-    def deliver(self, job: str, level: int, sender: int, array: np.ndarray, start: int) -> None:
-        """File rows a peer sent (creating the mailbox if the job has not started here yet)."""
+    def deliver(self, job: str, level: int, sender: int, array: np.ndarray, start: int, who: str = "") -> None:
+        """File rows peer ``who`` sent as server ``sender`` (creating the mailbox if the job has not started
+        here yet)."""
         with self.cond:
             if job in self.finished:
                 return  # the job ended (e.g. failed) here: nobody will read them
-            box = self._box(job)
+            box = self._box(job, who)
             if (level, sender) in box.rows:
                 raise invalid(f"split job {job!r}: rows of level {level} from server {sender} sent twice")
             if self.bytes + array.nbytes > self.max_bytes:
@@ -381,8 +409,8 @@ class SplitJobs:
                 channel = self._channels[address] = self._open(address)
             return dpb_grpc.DeepcoServiceStub(channel)
 
-    def exchange(self, messages: Iterator[dpb.RowsMessage]) -> dpb.ExchangeAck:
-        """SplitExchange: file each message's rows in its job's mailbox."""
+    def exchange(self, messages: Iterator[dpb.RowsMessage], who: str = "") -> dpb.ExchangeAck:
+        """SplitExchange: file each message's rows in its job's mailbox; ``who`` sent them (its identity)."""
         count = 0
         for message in messages:
             try:
@@ -391,7 +419,11 @@ class SplitJobs:
                 raise invalid(f"SplitExchange: {exc}") from None
             if not message.job_id or len(message.job_id) > MAX_JOB_ID:
                 raise invalid(f"SplitExchange: job_id must be 1 to {MAX_JOB_ID} characters")
-            self.mailboxes.deliver(message.job_id, message.level, message.sender, array, start)
+            try:
+                self.mailboxes.deliver(message.job_id, message.level, message.sender, array, start, who)
+            except ResourceExhausted as exc:
+                self.state.refusals.count("mailbox", str(exc))
+                raise
             count += 1
         return dpb.ExchangeAck(messages=count)
 

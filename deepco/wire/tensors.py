@@ -123,6 +123,17 @@ def array_from_contents(datatype: str, shape: Sequence[int], contents: pb.InferT
     others = [f.name for f, v in contents.ListFields() if f.name != field and len(v)]
     if others:
         raise TensorError(f"{what}: datatype {datatype} belongs in {field}, but {', '.join(others)} is set")
+    if dtype.kind in "iu" and count:
+        # Typed contents are wider than the datatype (INT8 travels in int_contents, an int32): a value out of
+        # the datatype's range is the client's error, not a wrap-around or numpy's OverflowError.
+        wide = np.asarray(values, dtype=np.uint64 if field == "uint64_contents" else np.int64)
+        info = np.iinfo(dtype)
+        low, high = int(wide.min()), int(wide.max())
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise TensorError(f"{what}: value {bad} in {field} is out of the range of {datatype} "
+                              f"[{info.min}, {info.max}]")
+        return wide.astype(dtype).reshape(dims)
     return np.asarray(values, dtype=dtype).reshape(dims)
 
 
