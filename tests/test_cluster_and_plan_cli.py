@@ -283,6 +283,7 @@ def test_a_saved_plan_runs_exactly_as_saved(address_only, tmp_path, algorithm):
     assert "0 failed" in result.stdout
     shown = [line for line in result.stdout.splitlines() if line.startswith("plan: ")]
     assert shown and shown[0].startswith(f"plan: {plan.describe()};"), result.stdout  # kind, servers, stages
-    result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "32x32",
-                    "--source", str(PHOTO), "--frames", "1", "--plan", str(saved), timeout=300)
-    assert result.returncode == 2 and "was made for" in result.stderr
+    if algorithm == "thread":  # refused for another input size (one kind shows it: the check is the same for all)
+        result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "32x32",
+                        "--source", str(PHOTO), "--frames", "1", "--plan", str(saved), timeout=300)
+        assert result.returncode == 2 and "was made for" in result.stderr
