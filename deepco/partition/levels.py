@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 
 from deepco.partition.graph import PartitionError
+from deepco.partition.segments import _row_bytes  # one home for a tensor row's bytes
 
 if TYPE_CHECKING:
     from deepco.partition.partitioner import Partitioner
@@ -136,16 +137,6 @@ def _rows(image_row: int, stride: Fraction, tensor: str) -> int:
     if value.denominator != 1:
         raise PartitionError(f"image row {image_row} is not a whole row of {tensor!r} (stride {stride})")
     return int(value)
-
-
-def _row_bytes(p: Partitioner, tensor: str) -> int:
-    g = p.graph
-    if tensor == g.input_name:
-        return g.channels * p.width * g.itemsize
-    shape = g.shapes.get(tensor)
-    if not shape or len(shape) != 4:
-        raise PartitionError(f"tensor {tensor!r} has no static 4-d shape")
-    return shape[1] * shape[3] * g.feature_itemsize
 
 
 def make_levels(p: Partitioner) -> list[Level]:
