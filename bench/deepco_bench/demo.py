@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     from deepco_device.sources import make_pan_zoom_clip
 
     from deepco import zoo
+    from deepco.partition.source import load_model
     from deepco.parsing import parse_size
 
     if not 1 <= args.servers <= 16:
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo: clip {clip.name}: {args.frames} frames panning and zooming over grace_hopper.jpg", flush=True)
         model_path = tmp / f"{args.model}.onnx"
         print(f"demo: exporting {args.model} at {height}x{width} ...", flush=True)
-        model_path.write_bytes(zoo.export(args.model, height, width).SerializeToString())
+        model_path.write_bytes(load_model(args.model, height, width).SerializeToString())  # the model cache's
         with weak_camera(args.camera_cpu) as (cgroup, camera), local_servers(args.servers) as addresses:
             print(f"demo: {camera}", flush=True)
             print(f"demo: {len(addresses)} local servers: {', '.join(addresses)}; EMULATED links: {args.antennas} "
