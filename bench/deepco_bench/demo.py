@@ -300,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
     from deepco_device.sources import make_pan_zoom_clip
 
     from deepco import zoo
-    from deepco.partition.source import load_model
     from deepco.parsing import parse_size
+    from deepco.partition.source import load_model
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
