@@ -16,6 +16,9 @@ import sys
 import deepco
 from deepco.errors import UserError
 
+DESCRIPTION = ("Partitioned CNN inference at the network edge: serve models on edge servers, run a camera's frames "
+               "over them on a measured plan, benchmark against the alternatives; and a training-job scheduler.")
+
 # subcommand -> (module providing add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
     "plan": ("deepco.commands.plan",
@@ -66,7 +69,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     Importing every command's module took about 2.5 s of CPU (SciPy's optimiser, the planner, the
     benchmark) before `deepco serve` or `deepco --help` could start; a command now pays only for its own.
     """
-    parser = _Parser(prog="deepco", description=__doc__)
+    parser = _Parser(prog="deepco", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"deepco {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     chosen = None if argv is None else _chosen(argv)
