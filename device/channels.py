@@ -37,6 +37,10 @@ class Channels:
         except ServerError:
             return False
 
+    def bytes_sent(self) -> int:
+        """Request bytes sent to the servers over every channel opened so far (closed ones not counted)."""
+        return sum(c.bytes_sent for c in self._clients.values())
+
     def close(self) -> None:
         """Close every channel."""
         for c in self._clients.values():

@@ -144,6 +144,8 @@ class InferenceClient:
         self.inference = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.deepco = dpb_grpc.DeepcoServiceStub(self.channel)
         self._input_names: dict[str, str] = {}
+        self.bytes_sent = 0  # serialised request bytes this client sent (`_sent`): what setup costs a radio
+        self._sent_lock = threading.Lock()
 
     def __enter__(self) -> InferenceClient:
         return self
@@ -155,7 +157,14 @@ class InferenceClient:
         """Close the channel."""
         self.channel.close()
 
+    def _sent(self, request: Any) -> Any:
+        """Count ``request``'s serialised bytes in `bytes_sent`; the request."""
+        with self._sent_lock:
+            self.bytes_sent += request.ByteSize()
+        return request
+
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        self._sent(request)
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as exc:
@@ -261,7 +270,7 @@ class InferenceClient:
 
         ``started`` gets the gRPC call as soon as it exists (before any wait), e.g. to cancel it from elsewhere."""
         limit = self.timeout if timeout is None else timeout
-        events = self.deepco.Run(encode_request(name, inputs), timeout=limit)
+        events = self.deepco.Run(self._sent(encode_request(name, inputs)), timeout=limit)
         if started is not None:
             started(events)
         # A second, client-side bound: a stream once sat past its gRPC deadline here (seen on the testbed,
@@ -289,7 +298,7 @@ class InferenceClient:
 
     def start_split(self, request: dpb.SplitRequest, timeout: float | None = None) -> SplitJob:
         """Start this server's part of a split job; the handle reads its events (nothing is waited for here)."""
-        return SplitJob(self.address, self.deepco.SplitRun(request, timeout=self.timeout if timeout is None
+        return SplitJob(self.address, self.deepco.SplitRun(self._sent(request), timeout=self.timeout if timeout is None
                                                             else timeout))
 
     def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:
