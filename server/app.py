@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import re
 import signal
 import socket
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from deepco_server import logs
@@ -78,6 +82,7 @@ class ServeConfig:
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
     max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, SplitRun, SplitExchange, Health/Watch) open at once
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # request bytes admitted calls hold at once
+    server_id: str | None = None  # what ServerMetadata reports as deepco_server_id; None: `default_server_id`
 
     def __post_init__(self) -> None:
         # The one check of the limits: the command line's parsers check them too, but a config made in code
@@ -90,6 +95,22 @@ class ServeConfig:
             raise UserError("--model-lease must be >= 0, --max-request-bytes >= 1 and --stream-idle-timeout > 0")
         if self.max_streams < 1 or self.max_held_bytes < 1:
             raise UserError("--max-streams and --max-held-bytes must be >= 1")
+        if self.server_id is not None and not SERVER_ID.fullmatch(self.server_id):
+            raise UserError(f"--server-id must be 1-64 letters, digits, '.', '_' or '-', got {self.server_id!r}")
+
+
+SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def default_server_id(host: str, port: int, runtime: Runtime) -> str:
+    """An id that stays the same while this host serves on this port with this runtime, and changes when any
+    of them does: devices key their cached plans (and the speeds measured with them) on it, so a restarted
+    server keeps their plans and a server moved to other hardware, or given other threads, does not."""
+    machine = socket.gethostname()
+    with contextlib.suppress(OSError):
+        machine += "/" + Path("/etc/machine-id").read_text().strip()
+    facts = [machine, host, str(port), runtime.device, runtime.provider, str(runtime.threads)]
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:16]
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -141,6 +162,7 @@ class Server:
         self.grpc = grpc.server(self.budgets.control_pool, options=SERVER_OPTIONS, interceptors=self._interceptors())
         self.health = self._add_services()
         self.port = self._listen()
+        self.state.server_id = config.server_id or default_server_id(config.host, self.port, self.runtime)
         self.metrics_port = self._serve_metrics()
         self.grpc.start()
         for service in SERVICES:

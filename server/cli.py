@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split-job peers this server may dial (with its own token / certificate) when a device's "
                         "SplitRun names them; loopback addresses are always allowed, others are refused with "
                         "PERMISSION_DENIED unless listed (default: none)")
+    p.add_argument("--server-id", default=None, metavar="ID",
+                   help="the id ServerMetadata reports (deepco_server_id), which devices key their cached plans on; "
+                        "default: one derived from the host, the port and the runtime, the same across restarts")
     sec = p.add_argument_group("security (plain text off loopback is allowed, with a warning on stderr)")
     sec.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate (chain): serve TLS only")
     sec.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -134,4 +137,5 @@ def run(args: argparse.Namespace) -> int:
                              log_format=args.log_format, model_lease=args.model_lease,
                              max_request_bytes=args.max_request_bytes, peers=args.peers,
                              metrics_token=args.metrics_token, stream_idle_seconds=args.stream_idle_timeout,
-                             max_streams=args.max_streams, max_held_bytes=args.max_held_bytes))
+                             max_streams=args.max_streams, max_held_bytes=args.max_held_bytes,
+                             server_id=args.server_id))

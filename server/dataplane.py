@@ -67,6 +67,7 @@ class ServerState:
         self.peers = frozenset(peers)
         self.draining = threading.Event()
         self.statistics = Statistics()  # Triton's statistics extension, per loaded model
+        self.server_id = ""  # ServerMetadata's deepco_server_id (set by server.app.Server once it listens)
 
     def extensions(self) -> list[str]:
         """ServerMetadata's extensions: the protocol extensions served, then DeepCo's facts as key=value."""
@@ -75,4 +76,5 @@ class ServerState:
         return [*EXTENSIONS, "deepco_profile", f"deepco_device={runtime.device}",
                 f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
                 f"deepco_max_models={registry.max_models}", f"deepco_max_model_bytes={registry.max_model_bytes}",
-                f"deepco_max_inflight={self.admission.limit}"]
+                f"deepco_max_inflight={self.admission.limit}",
+                *([f"deepco_server_id={self.server_id}"] if self.server_id else [])]
