@@ -1,23 +1,26 @@
 """Measuring what the planners need, at setup: the device's own speed on the whole model, every server's speed
-on a reference head (DeepcoService.Profile), each antenna's bandwidth and the per-request overhead
-(DeepcoService.Echo), the server-to-server link (two servers probe each other, DeepcoService.ProbePeer) and
-the device's own CPU time per byte it marshals. With pacing the antennas' configured bandwidths are what
-pacing enforces, so they are taken as given.
+on a small compute probe (DeepcoService.Profile: kilobytes over the radio, not the model), each antenna's
+bandwidth and the per-request overhead (DeepcoService.Echo), the server-to-server link (two servers probe each
+other, DeepcoService.ProbePeer) and the device's own CPU time per byte it marshals. With pacing the
+antennas' configured bandwidths are what pacing enforces, so they are taken as given.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import uuid
 from collections.abc import Callable
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from deepco_device.backpressure import while_busy
 from deepco_device.channels import Channels
 from deepco_device.lifecycle import load_with_room
 from deepco_device.records import Measurements
+from onnx import helper, numpy_helper
 
 from deepco.partition import Cut, Partitioner
 from deepco.wire.client import ServerError
@@ -57,19 +60,52 @@ def marshal_seconds_per_byte(nbytes: int = 1 << 20) -> float:
     return median_seconds(lambda: encode_request("probe", {"x": x}).SerializeToString(), runs=5) / nbytes
 
 
-def server_rates(channels: Channels, partitioner: Partitioner, reference: Cut, x: np.ndarray,
-                 tag: str) -> dict[str, float]:
-    """FLOP/s of every server on the head up to ``reference`` (uploaded under a name of its own, since other
-    devices may probe the same servers, and unloaded again)."""
-    head, _ = partitioner.split(reference)
-    data = head.SerializeToString()
+PROBE_CHANNELS = 64  # a ResNet's first stage: the probe's convolutions run at a real CNN's FLOP rate
+PROBE_CONVS = 4  # convolutions of the probe, all sharing one weight tensor (uploaded once: 147 KB)
+PROBE_FLOPS = 2e8  # work per timed run, at most: milliseconds on a server, under a second on a camera
+
+
+def probe_model() -> onnx.ModelProto:
+    """The compute probe: ``PROBE_CONVS`` 3x3 convolutions (each followed by a ReLU) of ``PROBE_CHANNELS``
+    channels that share one weight tensor, on an input of any height and width. It crosses the radio as
+    about 150 KB whatever the model; its work is set by the input's size, which the server makes itself
+    (DeepcoService.Profile), so timing a server costs no bytes beyond the model. The servers' FLOP rate on
+    the real model differs by a factor calibration fits (`deepco.planning.calibration`: the compute scale)."""
+    c = PROBE_CHANNELS
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((c, c, 3, 3)) * np.sqrt(2.0 / (9 * c))).astype(np.float32)  # keeps the scale
+    nodes, last = [], "x"
+    for k in range(PROBE_CONVS):
+        nodes += [helper.make_node("Conv", [last, "w"], [f"c{k}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"])]
+        last = f"r{k}"
+    graph = helper.make_graph(nodes, "deepco-probe",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, c, "h", "w"])],
+                              [helper.make_tensor_value_info(last, onnx.TensorProto.FLOAT, [1, c, "h", "w"])],
+                              [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def probe_shape(flops: float) -> tuple[list[int], float]:
+    """The probe's input shape for about ``flops`` of work (at most ``PROBE_FLOPS``), and its exact FLOPs."""
+    per_pixel = 2 * PROBE_CHANNELS * PROBE_CHANNELS * 9 * PROBE_CONVS
+    side = max(8, math.isqrt(int(min(flops, PROBE_FLOPS) // per_pixel)))
+    return [1, PROBE_CHANNELS, side, side], float(per_pixel * side * side)
+
+
+def server_rates(channels: Channels, reference: Cut, tag: str) -> dict[str, float]:
+    """FLOP/s of every server on the compute probe (`probe_model`), sized like the head up to ``reference``
+    (at most ``PROBE_FLOPS``); uploaded under a name of its own, since other devices may probe the same
+    servers, and unloaded again."""
+    data = probe_model().SerializeToString()
+    shape, flops = probe_shape(reference.head_flops)
     name = f"{tag}-probe-{uuid.uuid4().hex[:8]}"
     rates = {}
     for k, srv in enumerate(channels.cluster.servers):
         c = channels.client(k, 0)
         load_with_room(c, data, name)  # a full server is one line at once, not a minute's wait
-        seconds = while_busy(lambda c=c: c.profile(name, x.shape, runs=3, warmup=1).seconds)
-        rates[srv.name] = reference.head_flops / seconds
+        seconds = while_busy(lambda c=c: c.profile(name, shape, runs=3, warmup=1).seconds)
+        rates[srv.name] = flops / seconds
         while_busy(lambda c=c: c.unload_model(name))
     return rates
 
@@ -120,10 +156,16 @@ def probe_peers(channels: Channels, log: Callable[[str], None]) -> tuple[float, 
 def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSession, x: np.ndarray,
             reference: Cut, *, pace: bool, tag: str, log: Callable[[str], None]) -> Measurements:
     """Everything setup measures (see the module doc). ``whole``: the device's session of the whole model;
-    ``x``: a blank frame of pixels; ``reference``: the cut whose head the servers are timed on."""
+    ``x``: a blank frame of pixels; ``reference``: the cut whose head's work the servers' probe is sized by."""
     name = whole.get_inputs()[0].name
     device_rate = partitioner.total_flops / median_seconds(lambda: whole.run(None, {name: x}))
-    rates = server_rates(channels, partitioner, reference, x, tag)
+    # The probe's FLOPs run at another rate than the model's (a ResNet at 64x64 ran 5x slower per FLOP on
+    # these servers than the probe): the device times the probe too, and takes the servers' rates on the model
+    # to be theirs on the probe at its own ratio (calibration fits what remains: the compute scale).
+    shape, flops = probe_shape(reference.head_flops)
+    probe, probe_x = device_session(probe_model().SerializeToString()), np.zeros(shape, np.float32)
+    ratio = device_rate / (flops / median_seconds(lambda: probe.run(None, {"x": probe_x})))
+    rates = {k: v * ratio for k, v in server_rates(channels, reference, tag).items()}
     marshal = marshal_seconds_per_byte()
     bandwidths, overhead = probe_links(channels, pace, marshal)
     peer, peer_overhead = probe_peers(channels, log)

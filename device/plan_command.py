@@ -2,7 +2,7 @@
 
 It is the setup of `deepco run` (device.session.Device.setup) without a source: the model is analysed, the
 device, every server and every antenna are measured, every candidate cut is planned, and the chosen plan is
-printed. Setup uploads nothing but a probe head, which it unloads again.
+printed. Setup uploads nothing but a small compute probe, which it unloads again.
 """
 
 from __future__ import annotations
@@ -61,10 +61,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_document(model: str, height: int, width: int, plan: StagedPlan) -> dict:
+    """A saved plan's JSON: ``plan`` with the model and input size it was made for (`load_plan` reads it; the
+    plan cache, device.plan_cache, writes these fields too)."""
+    return {"model": model, "input_size": [height, width], "plan": plan.to_dict()}
+
+
 def save_plan(path: str, model: str, height: int, width: int, plan: StagedPlan) -> None:
     """Write ``plan`` (with the model and input size it was made for) for `deepco run --plan`."""
     with open(path, "w") as f:
-        json.dump({"model": model, "input_size": [height, width], "plan": plan.to_dict()}, f, indent=1)
+        json.dump(plan_document(model, height, width, plan), f, indent=1)
 
 
 def load_plan(path: str, model: str, height: int, width: int, servers: list[str]) -> StagedPlan:

@@ -206,6 +206,24 @@ def test_profile_measures_the_loaded_model(client: InferenceClient) -> None:
     assert code == INVALID and "runs must be <= 1000" in msg
 
 
+def test_the_compute_probe_is_kilobytes_and_its_work_is_what_the_device_counts(client: InferenceClient) -> None:
+    """The device times servers on a small probe (device/measuring.py), not on the model: tens of MB that
+    every server was sent at every cold start."""
+    from deepco_device.measuring import PROBE_FLOPS, probe_model, probe_shape
+    from onnx import numpy_helper
+
+    model = probe_model()
+    data = model.SerializeToString()
+    assert len(data) < 200_000
+    shape, flops = probe_shape(1e12)  # a big model's head: the probe's work is capped
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    (weight,) = [numpy_helper.to_array(t) for t in model.graph.initializer]
+    assert flops == len(convs) * 2 * weight.size * shape[2] * shape[3] <= PROBE_FLOPS  # a MAC per weight per pixel
+    client.load_model(data, "probe")
+    result = client.profile("probe", shape, runs=2, warmup=1)
+    assert len(result.run_seconds) == 2 and result.seconds > 0
+
+
 def test_concurrent_clients_get_their_own_answers(server: Server, client: InferenceClient) -> None:
     inputs = [_x(1, 3, 10 + i, 12, seed=i) for i in range(8)]
     answers: list[np.ndarray | None] = [None] * len(inputs)
