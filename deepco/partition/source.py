@@ -48,10 +48,11 @@ def load_model(spec: str, height: int, width: int, weights: str | None = None) -
     if not spec.endswith(".onnx") and not Path(spec).exists():
         return cached_export(spec, height, width, weights,
                              lambda: _export(spec, height, width, weights))
-    from deepco import zoo
+    if not spec.endswith(".onnx"):  # no zoo name ends so: a run on an ONNX file never imports torch (seconds)
+        from deepco import zoo
 
-    if spec in zoo.MODELS:  # a file or folder of that name in the working directory does not shadow the zoo model
-        return zoo.export(spec, height, width, weights=weights)
+        if spec in zoo.MODELS:  # a file or folder of that name in the working directory does not shadow it
+            return zoo.export(spec, height, width, weights=weights)
     if weights is not None:
         raise UserError("--weights applies to zoo models only, not to an ONNX file")
     return load_onnx(spec)
