@@ -59,9 +59,9 @@ def timeline(result: FrameResult, timing: FrameTiming, plan: StagedPlan, offset:
 
 
 def run_frames(health: Health, inputs: Iterable[np.ndarray], depth: int, give_up: GiveUp,
-               inflight) -> Iterator[FrameResult]:
-    """Every input's result in order (see the module doc). ``inflight`` tracks the calls of every runner so
-    that a run that stops cancels them all at once.
+               inflight, first: int = 0) -> Iterator[FrameResult]:
+    """Every input's result in order (see the module doc), numbered from ``first``. ``inflight`` tracks the
+    calls of every runner so that a run that stops cancels them all at once.
 
     Raises GaveUp (a UserError) when ``give_up`` says the run has failed for too long; a failure of the
     device's own code, or of the frame source, is a one-line UserError (the frames already in come first)."""
@@ -114,7 +114,7 @@ def run_frames(health: Health, inputs: Iterable[np.ndarray], depth: int, give_up
     with ThreadPoolExecutor(max_workers=depth) as pool:
         try:
             sources = iter(inputs)
-            for index in itertools.count():
+            for index in itertools.count(first):
                 give_up.check(not pending.empty())
                 try:
                     x = next(sources)

@@ -2,22 +2,27 @@
 free model slots, and calibration on the device's servers.
 
     planner = StagedPlanner(dev)                  # dev set up (Device.setup())
-    plan = planner.calibrate("latency")           # deepco.planning.calibration.calibrate, timed on the servers
+    live = LiveFrames(frames, emit)               # the run's frames: each result goes to emit as it comes
+    plan = planner.calibrate("latency", live=live)  # deepco.planning.calibration.calibrate, timed on them
     runner = StagedRunner(dev, plan)              # device/runners.py
+    for result in runner.run_frames(live.rest(), first=live.taken): ...
 
 Calibration itself is planning (`deepco.planning.calibration.calibrate`): this module supplies what only the
 device has, the candidates that fit its servers' free slots and a callback that times a plan on them
-(`_PlanRuns`: a runner per plan, its models uploaded while calibration holds it).
+(`_PlanRuns`: a runner per plan, its models uploaded while calibration holds it, run on the run's own first
+frames, `LiveFrames`, or on blank ones for a dry run).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 from deepco_device.backpressure import while_busy
 from deepco_device.lifecycle import NoRoom
+from deepco_device.pipeline import timeline
+from deepco_device.records import FrameResult, FrameTiming
 from deepco_device.runners import StagedRunner
 
 from deepco.errors import UserError
@@ -109,10 +114,16 @@ class StagedPlanner:
         return makers[name]()
 
     def calibrate(self, objective: str = "latency", frames: int = 2, rounds: int = 3,
-                  runoff_frames: int = 6) -> StagedPlan:
-        """`deepco.planning.calibration.calibrate` on this device's servers: plans are timed on real frames
-        (blank pixels: a CNN's work does not depend on what the image shows), the fitted compute scale and
-        step overhead are kept here (`rates`), and every timing in ``trials``.
+                  runoff_frames: int = 6, live: LiveFrames | None = None) -> StagedPlan:
+        """`deepco.planning.calibration.calibrate` on this device's servers: plans are timed on frames, the
+        fitted compute scale and step overhead are kept here (`rates`), and every timing in ``trials``.
+
+        The frames are ``live`` ones where given: the run's own, each one's result handed on as it comes (a
+        CNN's work does not depend on what the image shows, so they time a plan as well as any), so the first
+        result comes from the predicted best plan, with no frame spent on calibration alone. When a server
+        fails one of them, the frame goes back to the source and the run goes on, uncalibrated, on the best
+        plan without that server (``live.stopped`` says why); when the source ends first, ``live.ended``.
+        Without ``live`` (`deepco plan`), blank frames.
 
         Only plans that fit the servers' free model slots are planned (`room`), a plan a server still refuses
         for want of room is skipped with a one-line note, and the models of every plan that cannot be chosen
@@ -123,11 +134,21 @@ class StagedPlanner:
             self.device.log(f"calibration: {self.unfit_plans} of {every} candidate plans need more model slots than "
                             f"the servers have free ({', '.join(f'{k} {v}' for k, v in self.room.items())}): skipped")
         dev = self.device
-        runs = _PlanRuns(dev, np.zeros((1, dev.channels, dev.height, dev.width), np.uint8))
-        result = calibration.calibrate(
-            self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
-            frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
-            compute_scale=self.compute_scale, step_overhead=self.step_overhead)
+        runs = _PlanRuns(dev, live or _BlankFrames(np.zeros((1, dev.channels, dev.height, dev.width), np.uint8)))
+        try:
+            result = calibration.calibrate(
+                self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
+                frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
+                compute_scale=self.compute_scale, step_overhead=self.step_overhead)
+        except SourceEnded:
+            return self.best(objective)  # no frame is left to run it on
+        except ServerError as exc:
+            if live is None:
+                raise
+            down = dev.pool.server_at(exc.address)
+            live.stopped = f"{exc}"
+            dev.log(f"calibration stopped: {exc}; going on uncalibrated without {down or exc.address}")
+            return self.best(objective, exclude={down} if down else ())
         dev.measurements.compute_scale, dev.measurements.step_overhead = result.compute_scale, result.step_overhead
         self.trials += result.trials
         return result.plan
@@ -167,12 +188,78 @@ class StagedPlanner:
         return throughput(plan, self.costs, self.rates())
 
 
+class SourceEnded(Exception):
+    """The source ran out of frames while calibration was timing plans on them."""
+
+
+class LiveFrames:
+    """The run's first frames, while calibration times plans on them (`StagedPlanner.calibrate`): each is taken
+    from ``source``, run on the plan being timed, and its result handed to ``emit(result, predicted)``; the
+    frames left go on to the pipeline (`rest`, numbered on from ``taken``)."""
+
+    def __init__(self, source: Iterable[np.ndarray], emit: Callable[[FrameResult, float], None]):
+        self._source = iter(source)
+        self.emit = emit
+        self.taken = 0  # frames that gave a result
+        self._back: list[np.ndarray] = []  # frames a failed server gave back, to run again first
+        self.ended = False  # the source ran out before calibration settled
+        self.stopped: str | None = None  # why calibration stopped before it settled (a server failed)
+
+    @property
+    def settled(self) -> bool:
+        """Whether calibration ran to its end (its plan was measured against the others)."""
+        return not self.ended and self.stopped is None
+
+    def next(self) -> np.ndarray:
+        """The next frame's pixels; SourceEnded when there are none."""
+        if self._back:
+            return self._back.pop()
+        try:
+            return next(self._source)
+        except StopIteration:
+            self.ended = True
+            raise SourceEnded from None
+
+    def put_back(self, x: np.ndarray) -> None:
+        """A frame whose server failed: it is the next frame again."""
+        self._back.append(x)
+
+    def done(self, output: np.ndarray, timing: FrameTiming, plan: StagedPlan) -> None:
+        """A frame ran on ``plan``: hand its result on."""
+        result = FrameResult(self.taken, output=output, latency=timing.latency)
+        timeline(result, timing, plan, 0.0, None)
+        self.taken += 1
+        self.emit(result, plan.predicted)
+
+    def rest(self) -> Iterator[np.ndarray]:
+        """The frames calibration did not take."""
+        while self._back:
+            yield self._back.pop()
+        yield from self._source
+
+
+class _BlankFrames:
+    """`LiveFrames`' part for a dry run: the same blank frame every time, and no results to hand on."""
+
+    def __init__(self, px: np.ndarray):
+        self.px = px
+
+    def next(self) -> np.ndarray:
+        return self.px
+
+    def put_back(self, x: np.ndarray) -> None:
+        pass
+
+    def done(self, output: np.ndarray, timing: FrameTiming, plan: StagedPlan) -> None:
+        pass
+
+
 class _PlanRuns:
     """Calibration's ``time_plan`` and ``release`` on the device: a runner per plan, its models on the servers
-    until the plan is released."""
+    until the plan is released, and its frames from ``frames`` (`LiveFrames`, or `_BlankFrames`)."""
 
-    def __init__(self, device: Device, px: np.ndarray):
-        self.device, self.px = device, px
+    def __init__(self, device: Device, frames: LiveFrames | _BlankFrames):
+        self.device, self.frames = device, frames
         self._runners: dict[str, StagedRunner] = {}
 
     def time(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float]:
@@ -186,8 +273,19 @@ class _PlanRuns:
             except NoRoom as exc:
                 raise Unfit(str(exc)) from None
         if warm_up:
-            runner.run_frame(self.px)
-        return [runner.run_frame(self.px)[1].latency for _ in range(frames)]
+            self._frame(runner)
+        return [self._frame(runner) for _ in range(frames)]
+
+    def _frame(self, runner: StagedRunner) -> float:
+        """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames."""
+        x = self.frames.next()
+        try:
+            output, timing = runner.run_frame(x)
+        except ServerError:
+            self.frames.put_back(x)
+            raise
+        self.frames.done(output, timing, runner.plan)
+        return timing.latency
 
     def release(self, plan: StagedPlan) -> None:
         """Give back ``plan``'s models."""

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--plan-cache", default=None, metavar="DIR",
+                       help="where auto keeps the plan it settled on, so that the next start with the same servers, "
+                            "model, input size and preprocessing runs its first frame on it without measuring or "
+                            "calibrating (default: $XDG_CACHE_HOME/deepco, else ~/.cache/deepco)")
+    cache.add_argument("--no-plan-cache", action="store_true",
+                       help="neither read nor write the plan cache: every start measures and calibrates")
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
                    help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
@@ -58,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Set up the device, stream the source through the plan, report."""
+    """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
     from deepco_device.preprocess import normalise, pixels
     from deepco_device.session import Device
     from deepco_device.sources import first_frame_check, open_source
@@ -73,103 +80,181 @@ def run(args: argparse.Namespace) -> int:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
-    shown = Outputs(how.output, args.output_dir)
-    inputs: list[np.ndarray] = []
-    outputs: list[np.ndarray] = []
-    log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
-    failures = 0
+    results = Results(args, Outputs(how.output, args.output_dir))
+
+    def frames():
+        for frame in open_source(args.source, args.frames):
+            px = pixels(frame, height, width, how)
+            if args.save_outputs:
+                results.inputs.append(normalise(px, how))  # what the unpartitioned model takes
+            yield px
+
     try:
         staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
                     weights=args.weights, pace=args.pace, depth=args.depth,
                     log=lambda line: print(line, flush=True), security=security.from_args(args),
                     preprocessing=how) as dev:
-            dev.setup(rows=not staged)
+            cache = _PlanCacheUse(args, dev) if staged else None
+            if cache is None or cache.cached is None:
+                dev.setup(rows=not staged)
             print(f"preprocessing: {how.describe()}", flush=True)
-            shown.noise = _seeded(args.model, args.weights)
-            if shown.noise:
+            results.outputs.noise = _seeded(args.model, args.weights)
+            if results.outputs.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.runners import StagedRunner
 
-            plan, replan, drift = _plan(args, dev, staged)
-            runner = StagedRunner(dev, plan)
-            predicted = plan.predicted
-
-            def frames():
-                for frame in open_source(args.source, args.frames):
-                    px = pixels(frame, height, width, how)
-                    if args.save_outputs:
-                        inputs.append(normalise(px, how))  # what the unpartitioned model takes
-                    yield px
-
-            start = time.perf_counter()
-            latencies = []
-            depth = max(args.depth, runner.frames_at_once)
-            results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, drift=drift)
-            for result in results:
-                if log_file:
-                    log_file.write(json.dumps(result.log_record(predicted)) + "\n")
-                if result.error is not None:
-                    failures += 1
-                    print(f"frame {result.index}: ERROR {result.error}", flush=True)
-                    if args.save_outputs:
-                        outputs.append(np.full_like(outputs[-1], np.nan) if outputs else np.array([np.nan]))
-                    continue
-                latencies.append(result.latency)
-                if args.save_outputs:
-                    outputs.append(result.output)
-                shown_output = shown.frame(result.index, result.output)
-                if not args.quiet:
-                    fps = len(latencies) / (time.perf_counter() - start)
-                    print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown_output}",
-                          flush=True)
-            elapsed = time.perf_counter() - start
+            results.start()
+            plan, replan, drift, rest = _plan(args, dev, cache, frames(), results.emit)
+            results.predicted = plan.predicted
+            if rest is not None:
+                runner = StagedRunner(dev, plan)
+                depth = max(args.depth, runner.frames_at_once)
+                for result in runner.run_frames(rest, depth=depth, replan=replan, give_up=give_up, drift=drift,
+                                                first=results.count):
+                    results.emit(result, plan.predicted)
+            results.stop()
     finally:
-        if log_file:
-            log_file.close()
-    if args.save_outputs:
-        empty = np.zeros((0, how.channels, height, width))
-        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else empty,
-                 outputs=np.concatenate(outputs) if outputs else np.zeros((0,)))
-    done = len(latencies)
-    if done:
-        p50, p95 = np.percentile(latencies, [50, 95])
-        print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
-              f"{np.mean(latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; "
-              f"predicted {predicted * 1e3:.1f} ms; {failures} failed")
-    if failures:
-        print(f"deepco run: {failures} frame(s) failed (see above)", file=sys.stderr)
-        return 1
-    return 0
+        results.close()
+    return results.finish(how.channels, height, width)
 
 
+class Results:
+    """What `deepco run` does with each frame's result, whichever plan it ran on (calibration's live frames
+    or the pipeline's): its line, its JSON log record, its saved output; and the summary at the end."""
+
+    def __init__(self, args: argparse.Namespace, outputs: Outputs):
+        self.args, self.outputs = args, outputs
+        self.inputs: list[np.ndarray] = []  # with --save-outputs: what each frame gave the model
+        self.saved: list[np.ndarray] = []
+        self.latencies: list[float] = []
+        self.failures = 0
+        self.count = 0  # results so far
+        self.predicted = 0.0  # the plan's prediction, for the summary
+        self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
+        self.began = self.elapsed = 0.0
+
+    def start(self) -> None:
+        """The frames begin now (fps counts from here)."""
+        self.began = time.perf_counter()
+
+    def emit(self, result, predicted: float) -> None:
+        """One frame's result (a device.records.FrameResult), run on a plan that predicted ``predicted``."""
+        self.count += 1
+        if self.log_file:
+            self.log_file.write(json.dumps(result.log_record(predicted)) + "\n")
+        if result.error is not None:
+            self.failures += 1
+            print(f"frame {result.index}: ERROR {result.error}", flush=True)
+            if self.args.save_outputs:
+                self.saved.append(np.full_like(self.saved[-1], np.nan) if self.saved else np.array([np.nan]))
+            return
+        self.latencies.append(result.latency)
+        if self.args.save_outputs:
+            self.saved.append(result.output)
+        shown = self.outputs.frame(result.index, result.output)
+        if not self.args.quiet:
+            fps = len(self.latencies) / (time.perf_counter() - self.began)
+            print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown}", flush=True)
+
+    def stop(self) -> None:
+        """The frames are over."""
+        self.elapsed = time.perf_counter() - self.began
+
+    def close(self) -> None:
+        """Close the JSON log."""
+        if self.log_file:
+            self.log_file.close()
+
+    def finish(self, channels: int, height: int, width: int) -> int:
+        """Save the outputs, print the summary; the exit code."""
+        if self.args.save_outputs:
+            empty = np.zeros((0, channels, height, width))
+            np.savez(self.args.save_outputs, inputs=np.concatenate(self.inputs) if self.inputs else empty,
+                     outputs=np.concatenate(self.saved) if self.saved else np.zeros((0,)))
+        done, elapsed = len(self.latencies), self.elapsed
+        if done:
+            p50, p95 = np.percentile(self.latencies, [50, 95])
+            print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
+                  f"{np.mean(self.latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; "
+                  f"predicted {self.predicted * 1e3:.1f} ms; {self.failures} failed")
+        if self.failures:
+            print(f"deepco run: {self.failures} frame(s) failed (see above)", file=sys.stderr)
+            return 1
+        return 0
 
 
-def _plan(args: argparse.Namespace, dev, staged: bool) -> tuple[StagedPlan, Callable, object]:
-    """The plan to run (printed), how failover replans, and the drift watch (None: none)."""
+class _PlanCacheUse:
+    """The plan cache for this run (device.plan_cache): ``cached`` is its plan on a warm start (the device's
+    measurements and fit are restored from it), None on a cold one or where the cache is off (``cache``
+    None: ``--no-plan-cache``, or the run is not auto's, which calibrates nothing)."""
+
+    def __init__(self, args: argparse.Namespace, dev):
+        from deepco_device.plan_cache import PlanCache, cache_key
+
+        from deepco.model_cache import cache_home  # the XDG cache folder: zoo exports are kept there too
+
+        self.cache = self.key = self.cached = None
+        self.model = args.model
+        if args.no_plan_cache or args.plan is not None or args.algorithm != "auto":
+            return
+        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
+        dev.load()
+        self.key = cache_key(dev, args.objective)
+        self.cached = self.cache.load(self.key)
+        if self.cached is not None:
+            c = self.cached
+            dev.restore(c.measured, c.compute_scale, c.step_overhead)
+            print(f"plan cache: warm start from {self.cache.path(self.key)}: no measuring, no calibration",
+                  flush=True)
+
+    def store(self, dev, plan: StagedPlan, live) -> None:
+        """Keep ``plan``, which calibration settled on over ``live`` frames, for the next start (nothing where
+        calibration did not run to its end: the plan was not measured against the others)."""
+        from deepco_device.plan_cache import Cached
+
+        if self.cache is None:
+            return
+        if not live.settled:
+            why = "the source ended" if live.ended else f"a server failed ({live.stopped})"
+            print(f"plan cache: nothing written: {why} before calibration settled", flush=True)
+            return
+        m = dev.measurements
+        path = self.cache.store(self.key, self.model, Cached(plan, m.measurements, m.compute_scale, m.step_overhead))
+        if path is not None:
+            print(f"plan cache: wrote {path}", flush=True)
+
+
+def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: Iterator[np.ndarray],
+          emit: Callable) -> tuple[StagedPlan, Callable, object, Iterator[np.ndarray] | None]:
+    """The plan to run (printed), how failover replans, the drift watch (None: none) and the frames left for
+    it (None: calibration took them all)."""
     from deepco_device.health import DriftWatch
-    from deepco_device.planner import StagedPlanner
+    from deepco_device.planner import LiveFrames, StagedPlanner
 
-    if staged:
-        planner = StagedPlanner(dev)
-        plan = _staged_plan(args, planner, dev)
-        print(dev.describe_measurements(), flush=True)
-        print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
-              f"{planner.fps(plan):.2f} fps", flush=True)
-        return plan, lambda down: planner.best(args.objective, exclude=down), None
-    # the paper's plan; failover replans with the same algorithm, and drift re-profiles
-    print(dev.describe_plan(), flush=True)
-    return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured)
-
-
-def _staged_plan(args: argparse.Namespace, planner, dev) -> StagedPlan:
-    """The plan a staged run runs: the one saved in ``--plan``, auto's (calibrated) or the named one."""
-    if args.plan is not None:
+    if cache is None:  # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+        print(dev.describe_plan(), flush=True)
+        return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured), source
+    planner = StagedPlanner(dev)
+    rest: Iterator[np.ndarray] | None = source
+    if cache.cached is not None:
+        plan = cache.cached.plan
+    elif args.plan is not None:
         from deepco_device.plan_command import load_plan
 
-        return load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
-    return planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
+        plan = load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
+    elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
+        live = LiveFrames(source, emit)
+        plan = planner.calibrate(args.objective, live=live)
+        cache.store(dev, plan, live)
+        rest = None if live.ended else live.rest()
+    else:
+        plan = planner.named(args.algorithm)
+    print(dev.describe_measurements(), flush=True)
+    print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, {planner.fps(plan):.2f} fps; "
+          f"{dev.pool.bytes_sent() / 1e6:.2f} MB sent to the servers so far", flush=True)
+    return plan, lambda down: planner.best(args.objective, exclude=down), None, rest
 
 
 def _seeded(model: str, weights: str | None) -> bool:

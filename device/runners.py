@@ -138,12 +138,14 @@ class StagedRunner:
     # ---- a stream of frames ---------------------------------------------------------------------------
     def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
                    replan: Callable[[set[str]], StagedPlan] | None = None,
-                   give_up: GiveUp | None = None, drift: DriftWatch | None = None) -> Iterator[FrameResult]:
-        """Every input's result in order, ``depth`` frames in flight (device.pipeline). A server that fails,
-        or answers wrongly (a tensor that does not fit the plan), is left out of a new plan (``replan(down)``)
-        and the frame is run again on it; a frame that fails pipeline.MAX_RETRIES times (or with no server
-        left) yields an explicit error. Nothing is lost. Down servers are probed and rejoin; with ``drift`` a
-        server or antenna persistently off the plan is re-profiled and the device replans (device.health).
+                   give_up: GiveUp | None = None, drift: DriftWatch | None = None,
+                   first: int = 0) -> Iterator[FrameResult]:
+        """Every input's result in order (numbered from ``first``), ``depth`` frames in flight
+        (device.pipeline). A server that fails, or answers wrongly (a tensor that does not fit the plan), is
+        left out of a new plan (``replan(down)``) and the frame is run again on it; a frame that fails
+        pipeline.MAX_RETRIES times (or with no server left) yields an explicit error. Nothing is lost. Down
+        servers are probed and rejoin; with ``drift`` a server or antenna persistently off the plan is
+        re-profiled and the device replans (device.health).
 
         Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too long,
         after cancelling the calls in flight; a failure of the device's own code or of the frame source is a
@@ -156,7 +158,7 @@ class StagedRunner:
             return runner
 
         health = Health(self.device, self, make, replan, self._ready, self._server_of, drift)
-        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight)
+        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight, first)
 
     def _ready(self, server: str) -> bool:
         return self.device.pool.ready(server)

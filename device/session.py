@@ -21,6 +21,7 @@ import numpy as np
 from deepco_device.measuring import device_session, measure
 from deepco_device.parts import Links, Measured, ModelArtefacts
 from deepco_device.preprocess import Preprocessing, preprocessing_for
+from deepco_device.records import Measurements
 
 from deepco.cluster import Cluster
 from deepco.errors import UserError
@@ -131,6 +132,14 @@ class Device:
         if self.cut_spec == "auto":
             self.log(f"cut: {self.cut.name} (least predicted frame time)")
         return self.plan
+
+    def restore(self, measured: Measurements, compute_scale: float, step_overhead: float) -> None:
+        """Take what an earlier setup measured and its calibration fitted (the plan cache, device.plan_cache)
+        instead of measuring: a warm start sends nothing but its frames."""
+        if self.partitioner is None:
+            self.load()
+        self.measurements.measurements = measured
+        self.measurements.compute_scale, self.measurements.step_overhead = compute_scale, step_overhead
 
     def paper_plan(self, algorithm: str, exclude: Iterable[str] = (), cut: str | None = None) -> StagedPlan:
         """The paper's plan for ``algorithm`` on the servers not in ``exclude``, at ``cut`` (None: the cut of

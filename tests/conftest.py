@@ -30,6 +30,23 @@ def model_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_plan_cache_of_the_user(tmp_path_factory):
+    """`deepco run` keeps the plans auto settles on in $XDG_CACHE_HOME/deepco (device/plan_cache.py): the suite's
+    runs, those that module fixtures start included, never read or write the user's."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _a_plan_cache_of_its_own(tmp_path_factory, monkeypatch):
+    """Each test, and every `deepco run` process it starts, gets an empty plan cache of its own: no test
+    warm-starts from another's plans."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
 @pytest.fixture(scope="session")
 def partition_zoo(tmp_path_factory) -> Callable[[str, int, int], tuple[onnx.ModelProto, str]]:
     """(model, path of its .onnx file) for a zoo model, exported once per session.

@@ -1,0 +1,137 @@
+"""The plan cache (device/plan_cache.py): a cold `deepco run` calibrates on its first live frames, every one of
+them a result, and keeps the plan it settles on; a warm one, with the same key, runs its first frame on that
+plan without measuring or calibrating. `deepco run` in-process against in-process servers with ids of their
+own on loopback, on a small conv net (a cold start uploads every plan it times: kilobytes here)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from deepco_server.app import ServeConfig, Server, default_server_id
+from test_server_support import conv_model
+
+from deepco.cli import main
+from deepco.errors import UserError
+from deepco.wire.client import InferenceClient
+
+PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
+FRAMES = 40  # enough for calibration to settle on this net (a few plans, 3 frames each, then a runoff)
+SHORT = 3  # a warm-up and two timed frames: calibration logs its first plan, then the source ends
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan-cache") / "net.onnx"
+    path.write_bytes(conv_model(channels=(3, 16, 16, 16, 16, 8), strides=(2, 1, 2, 1)))
+    return path
+
+
+@contextlib.contextmanager
+def serving(server_id: str, port: int = 0) -> Iterator[Server]:
+    server = Server(ServeConfig(port=port, device="cpu", threads=1, server_id=server_id))
+    try:
+        yield server
+    finally:
+        server.stop(grace=0)
+
+
+def cluster_of(path: Path, *servers: Server) -> Path:
+    path.write_text("".join(f'[[servers]]\naddress = "{s.address}"\n' for s in servers))
+    return path
+
+
+def run(capsys, cluster: Path, net: Path, *flags: str, frames: int = FRAMES, size: str = "64x64") -> str:
+    """`deepco run`'s stdout; it must succeed, without a traceback."""
+    code = main(["run", "--cluster", str(cluster), "--model", str(net), "--input-size", size, "--source", str(PHOTO),
+                 "--frames", str(frames), "--quiet", *flags])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out + err, err
+    return out
+
+
+def exact(net: Path, saved: Path, frames: int) -> None:
+    """Every frame has an output, and it equals ONNX Runtime on the whole net (1e-4 of its scale)."""
+    data = np.load(saved)
+    assert data["outputs"].shape[0] == data["inputs"].shape[0] == frames
+    session = ort.InferenceSession(str(net), providers=["CPUExecutionProvider"])
+    want = np.concatenate([session.run(None, {"input": x[None]})[0] for x in data["inputs"]])
+    assert np.abs(data["outputs"] - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def plan_line(out: str) -> str:
+    """The `plan:` line's plan and prediction (without the bytes sent so far)."""
+    return next(line for line in out.splitlines() if line.startswith("plan: ")).split(" ms, ")[0]
+
+
+def sent_mb(out: str) -> float:
+    return float(re.search(r"; ([\d.]+) MB sent to the servers so far", out).group(1))
+
+
+def test_a_warm_start_runs_the_cached_plan_without_measuring_or_calibrating(capsys, net, tmp_path):
+    folder = Path(os.environ["XDG_CACHE_HOME"]) / "deepco"  # the default place (this test's own: conftest.py)
+    with serving("box-1") as a, serving("box-2") as b:
+        cluster = cluster_of(tmp_path / "cluster.toml", a, b)
+        log = tmp_path / "cold.jsonl"
+        cold = run(capsys, cluster, net, "--save-outputs", str(tmp_path / "cold.npz"), "--json-log", str(log))
+        assert "calibration (planned)" in cold and "warm start" not in cold
+        (written,) = folder.glob("plan-*.json")
+        assert f"plan cache: wrote {written}" in cold
+        # the live frames calibration timed plans on are results like the rest: every frame, in order, exact
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r["frame"] for r in records] == list(range(FRAMES)) and all(r["error"] is None for r in records)
+        exact(net, tmp_path / "cold.npz", FRAMES)
+
+        warm = run(capsys, cluster, net, "--save-outputs", str(tmp_path / "warm.npz"), frames=4)
+        assert f"plan cache: warm start from {written}" in warm
+        assert "calibration (" not in warm and "plan cache: wrote" not in warm
+        assert plan_line(warm) == plan_line(cold)  # the same plan, predicted the same
+        assert sent_mb(warm) == 0.0 < sent_mb(cold)  # no probe, no calibration: nothing sent before the plan
+        exact(net, tmp_path / "warm.npz", 4)
+
+        # another input size is another key: calibrated afresh (and nothing written: the source ends first)
+        other = run(capsys, cluster, net, frames=SHORT, size="96x96")
+        assert "warm start" not in other and "calibration (planned)" in other
+        assert "plan cache: nothing written: the source ended before calibration settled" in other
+
+        # --no-plan-cache neither reads the cache (it calibrates) nor writes it (the file is the cold run's)
+        before = written.read_bytes(), written.stat().st_mtime_ns
+        off = run(capsys, cluster, net, "--no-plan-cache")
+        assert "calibration (planned)" in off and "plan cache" not in off
+        assert (written.read_bytes(), written.stat().st_mtime_ns) == before and list(folder.iterdir()) == [written]
+
+        # a file that cannot be read, or that another format wrote: one warning line, and the run goes on cold
+        for content, why in [(written.read_text()[:100], "unreadable"), ('{"format": 999}', "written in format 999"),
+                             ("[1, 2]", "unreadable (not a JSON object)")]:
+            written.write_text(content)
+            out = run(capsys, cluster, net, frames=SHORT)
+            warnings = [line for line in out.splitlines() if line.startswith("warning: plan cache")]
+            assert len(warnings) == 1 and why in warnings[0] and str(written) in warnings[0], out
+            assert "calibration (planned)" in out and "0 failed" in out
+
+
+def test_a_server_with_another_id_is_a_cache_miss_and_a_restart_with_its_id_is_not(capsys, net, tmp_path):
+    cache = tmp_path / "cache"
+    with serving("box-1") as server:
+        port = server.port
+        with InferenceClient(server.address) as c:
+            assert c.server_metadata()["deepco_server_id"] == "box-1"
+        cluster = cluster_of(tmp_path / "cluster.toml", server)
+        assert "plan cache: wrote" in run(capsys, cluster, net, "--plan-cache", str(cache))
+    for server_id, warm in [("box-2", False), ("box-1", True)]:  # the same address, restarted
+        with serving(server_id, port):
+            out = run(capsys, cluster, net, "--plan-cache", str(cache), frames=SHORT)
+        assert ("plan cache: warm start" in out) == warm and ("calibration (" in out) != warm, (server_id, out)
+    # without --server-id a server's id stays the same across restarts on the same host, port and runtime
+    runtime = server.runtime
+    assert default_server_id("127.0.0.1", port, runtime) == default_server_id("127.0.0.1", port, runtime)
+    assert default_server_id("127.0.0.1", port, runtime) != default_server_id("127.0.0.1", port + 1, runtime)
+    with pytest.raises(UserError, match="--server-id must be"):
+        ServeConfig(server_id="no spaces")
