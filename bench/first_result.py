@@ -1,0 +1,97 @@
+"""How soon `deepco run` gives its first result, cold and warm, and what it sends the servers meanwhile.
+
+    python bench/first_result.py [--model resnet18] [--input-size 224x224] [--servers 3] [--frames 60]
+
+Cold: an empty plan cache (a fresh --plan-cache folder) and servers just started. Warm: the same command
+again, with the cold run's cache and the servers restarted on the same ports (so they hold no models).
+Each time counts from the process start, the model's export included, to the first `frame N:` line. The
+bytes are what the device sent the servers until its `plan:` line (models, probes and frames), as its
+client counts them. Also the p50 of the first 30 frames' latencies (cold: calibration's live frames among
+them). Loopback only; one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
+
+
+@contextlib.contextmanager
+def servers(ports: list[int]):
+    """`deepco serve --threads 1` on each of ``ports`` (0: any); yields their addresses."""
+    procs, addresses = [], []
+    try:
+        for port in ports:
+            proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", str(port), "--threads", "1"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+            procs.append(proc)
+            match = re.fullmatch(r"deepco serve: listening on (\S+)\n", proc.stdout.readline())
+            if not match:
+                raise SystemExit("deepco serve did not start")
+            addresses.append(match.group(1))
+        yield addresses
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+def timed_run(cmd: list[str]) -> dict:
+    """Run ``cmd``; seconds to its first frame line, MB on its `plan:` line, the first 30 frames' p50 (ms)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first, sent, warm, latencies = None, None, False, []
+    for line in proc.stdout:
+        frame = re.match(r"frame \d+:\s+([\d.]+) ms", line)
+        if frame:
+            first = first if first is not None else time.perf_counter() - start
+            latencies.append(float(frame.group(1)))
+        if line.startswith("plan: "):
+            mb = re.search(r"([\d.]+) MB sent to the servers", line)
+            sent = float(mb.group(1)) if mb else None
+        warm = warm or line.startswith("plan cache: warm start")
+    code = proc.wait()
+    if code != 0:
+        raise SystemExit(f"deepco run failed ({code}): {proc.stderr.read().strip()}")
+    return {"first_result_s": first, "mb_sent_until_plan": sent, "warm_start": warm,
+            "total_s": time.perf_counter() - start,
+            "p50_first_30_ms": statistics.median(latencies[:30]) if latencies else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--input-size", default="224x224")
+    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--frames", type=int, default=60)
+    p.add_argument("--no-cache-flag", action="store_true",
+                   help="for a checkout from before the plan cache: run without --plan-cache")
+    args = p.parse_args()
+    out = {"model": args.model, "input_size": args.input_size, "servers": args.servers, "frames": args.frames}
+    with tempfile.TemporaryDirectory() as folder:
+        cluster, cache = Path(folder) / "cluster.toml", Path(folder) / "cache"
+        run = [sys.executable, "-m", "deepco", "run", "--cluster", str(cluster), "--model", args.model,
+               "--input-size", args.input_size, "--source", str(PHOTO), "--frames", str(args.frames),
+               *([] if args.no_cache_flag else ["--plan-cache", str(cache)])]
+        with servers([0] * args.servers) as addresses:
+            cluster.write_text("".join(f'[[servers]]\naddress = "{a}"\n' for a in addresses))
+            out["cold"] = timed_run(run)
+        with servers([int(a.rsplit(":", 1)[1]) for a in addresses]):  # restarted: they hold no models
+            out["warm"] = timed_run(run)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
