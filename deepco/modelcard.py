@@ -246,3 +246,12 @@ def check_input(model: onnx.ModelProto, how: Preprocessing) -> None:
                else "DeepCo sends 1 or 3 channels")
         raise UserError(f"the model's input {name!r} takes {channels} channel(s) (shape {shape}) but the "
                         f"preprocessing gives {how.channels} ({how.origin}): {fix}, or a model card")
+
+
+SEEDED_PROPERTY = "deepco_seeded_weights"  # in the metadata of a zoo export on seeded random weights
+
+
+def seeded_weights(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is a zoo export on seeded random weights (deepco.zoo.export says so in its metadata,
+    so a kept export says it without the zoo): its labels mean nothing."""
+    return any(p.key == SEEDED_PROPERTY and p.value == "true" for p in model.metadata_props)

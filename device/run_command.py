@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             if cache is None or cache.cached is None:
                 dev.setup(rows=not staged)
             print(f"preprocessing: {how.describe()}", flush=True)
-            results.outputs.noise = _seeded(args.model, args.weights)
+            results.outputs.noise = modelcard.seeded_weights(dev.reference_model)
             if results.outputs.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
@@ -255,15 +255,6 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: It
     print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, {planner.fps(plan):.2f} fps; "
           f"{dev.pool.bytes_sent() / 1e6:.2f} MB sent to the servers so far", flush=True)
     return plan, lambda down: planner.best(args.objective, exclude=down), None, rest
-
-
-def _seeded(model: str, weights: str | None) -> bool:
-    """Whether ``model`` is a zoo model running on seeded random weights (its labels mean nothing)."""
-    if weights is not None or "deepco.zoo" not in sys.modules:  # an ONNX file never imports the zoo (torch)
-        return False
-    from deepco.zoo import SEEDED
-
-    return model in SEEDED
 
 
 class Outputs:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from deepco.errors import UserError
+from deepco.modelcard import SEEDED_PROPERTY
 from deepco.zoo.efficientnet import efficientnet_lite0, weights_path
 from deepco.zoo.resnet import SPECS as _RESNETS
 from deepco.zoo.resnet import resnet
@@ -133,6 +134,8 @@ def export(
     """
     trace = TRACE_SIZE if name in _MULTISCALE else (height, width)
     model = to_onnx(build(name, height, width, weights=weights, seed=seed), *trace)
+    if name in SEEDED and weights is None:  # said in the file: a kept export is read back without the zoo
+        onnx.helper.set_model_props(model, {SEEDED_PROPERTY: "true"})
     onnx.checker.check_model(model)
     return model
 
