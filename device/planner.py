@@ -122,7 +122,8 @@ class StagedPlanner:
         CNN's work does not depend on what the image shows, so they time a plan as well as any), so the first
         result comes from the predicted best plan, with no frame spent on calibration alone. When a server
         fails one of them, the frame goes back to the source and the run goes on, uncalibrated, on the best
-        plan without that server (``live.stopped`` says why); when the source ends first, ``live.ended``.
+        plan without the servers that no longer answer (``live.stopped`` says why); when the source ends
+        first, ``live.ended``.
         Without ``live`` (`deepco plan`), blank frames.
 
         Only plans that fit the servers' free model slots are planned (`room`), a plan a server still refuses
@@ -145,10 +146,12 @@ class StagedPlanner:
         except ServerError as exc:
             if live is None:
                 raise
-            down = dev.pool.server_at(exc.address)
             live.stopped = f"{exc}"
-            dev.log(f"calibration stopped: {exc}; going on uncalibrated without {down or exc.address}")
-            return self.best(objective, exclude={down} if down else ())
+            # the run goes on where failover would take it: on the servers that still answer
+            down = {name for name in self.servers() if not dev.pool.ready(name)} | {dev.pool.server_at(exc.address)}
+            down.discard(None)
+            dev.log(f"calibration stopped: {exc}; going on uncalibrated without {', '.join(sorted(down)) or 'it'}")
+            return self.best(objective, exclude=down)
         dev.measurements.compute_scale, dev.measurements.step_overhead = result.compute_scale, result.step_overhead
         self.trials += result.trials
         return result.plan

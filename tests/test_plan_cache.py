@@ -135,3 +135,43 @@ def test_a_server_with_another_id_is_a_cache_miss_and_a_restart_with_its_id_is_n
     assert default_server_id("127.0.0.1", port, runtime) != default_server_id("127.0.0.1", port + 1, runtime)
     with pytest.raises(UserError, match="--server-id must be"):
         ServeConfig(server_id="no spaces")
+
+
+def test_servers_that_stop_during_live_calibration_lose_no_frame(net, tmp_path):
+    """Calibration runs on the run's frames: when the servers stop under it, the frame that failed goes back
+    to the source, the run goes on without them, and every frame still gives its exact result, in order."""
+    from deepco_device.planner import LiveFrames, StagedPlanner
+    from deepco_device.preprocess import IMAGENET, normalise
+    from deepco_device.runners import StagedRunner
+    from deepco_device.session import Device
+
+    from deepco.cluster import load_cluster
+
+    frames = [np.random.default_rng(k).integers(0, 256, (1, 3, 64, 64), dtype=np.uint8) for k in range(30)]
+    servers = [Server(ServeConfig(port=0, device="cpu", threads=1, server_id=f"box-{k}")) for k in range(2)]
+    results, stopped_after = [], []
+
+    def emit(result, predicted: float) -> None:
+        results.append(result)
+        if result.servers and not stopped_after:  # a plan on the servers (offload is always timed): its next
+            stopped_after.append(result.index)   # frame fails under calibration's feet
+            for server in servers:
+                server.stop(grace=0)
+
+    try:
+        with Device(load_cluster(cluster_of(tmp_path / "cluster.toml", *servers)), str(net), 64, 64,
+                    log=lambda _: None) as dev:
+            dev.setup(rows=False)
+            live = LiveFrames(iter(frames), emit)
+            plan = StagedPlanner(dev).calibrate(live=live)
+            assert stopped_after and live.stopped and not live.settled and plan.kind == "local"
+            runner = StagedRunner(dev, plan)
+            results += runner.run_frames(live.rest(), first=live.taken)
+    finally:
+        for server in servers:
+            server.stop(grace=0)
+    assert [r.index for r in results] == list(range(len(frames))) and all(r.error is None for r in results)
+    session = ort.InferenceSession(str(net), providers=["CPUExecutionProvider"])
+    for r, px in zip(results, frames, strict=True):
+        want = session.run(None, {"input": normalise(px, IMAGENET)})[0]
+        assert np.abs(r.output - want).max() <= 1e-4 * np.abs(want).max()
