@@ -2,8 +2,9 @@
 
     python bench/first_result.py [--model resnet18] [--input-size 224x224] [--servers 3] [--frames 60]
 
-Cold: an empty plan cache (a fresh --plan-cache folder) and servers just started. Warm: the same command
-again, with the cold run's cache and the servers restarted on the same ports (so they hold no models).
+Cold: an empty plan cache (a fresh --plan-cache folder), an empty model cache (a fresh DEEPCO_MODEL_CACHE: the
+zoo model is exported) and servers just started. Warm: the same command again, with the cold run's caches and
+the servers restarted on the same ports (so they hold no models).
 Each time counts from the process start, the model's export included, to the first `frame N:` line. The
 bytes are what the device sent the servers until its `plan:` line (models, probes and frames), as its
 client counts them. Also the p50 of the first 30 frames' latencies (cold: calibration's live frames among
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -48,10 +50,12 @@ def servers(ports: list[int]):
             proc.wait(timeout=60)
 
 
-def timed_run(cmd: list[str]) -> dict:
-    """Run ``cmd``; seconds to its first frame line, MB on its `plan:` line, the first 30 frames' p50 (ms)."""
+def timed_run(cmd: list[str], models: Path) -> dict:
+    """Run ``cmd`` with its zoo exports kept in ``models``; seconds to its first frame line, MB on its `plan:`
+    line, the first 30 frames' p50 (ms)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, DEEPCO_MODEL_CACHE=str(models)))
     first, sent, warm, latencies = None, None, False, []
     for line in proc.stdout:
         frame = re.match(r"frame \d+:\s+([\d.]+) ms", line)
@@ -87,9 +91,9 @@ def main() -> None:
                *([] if args.no_cache_flag else ["--plan-cache", str(cache)])]
         with servers([0] * args.servers) as addresses:
             cluster.write_text("".join(f'[[servers]]\naddress = "{a}"\n' for a in addresses))
-            out["cold"] = timed_run(run)
+            out["cold"] = timed_run(run, Path(folder) / "models")
         with servers([int(a.rsplit(":", 1)[1]) for a in addresses]):  # restarted: they hold no models
-            out["warm"] = timed_run(run)
+            out["warm"] = timed_run(run, Path(folder) / "models")
     print(json.dumps(out, indent=1))
 
 
