@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
     p.add_argument("--depth", type=int, default=2, help="frames in flight at once (pipelining)")
-    p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
+    p.add_argument("--save-outputs", metavar="FILE.npz",
+                   help="write inputs and outputs for checking: 'inputs', and 'outputs' (a one-output model) or "
+                        "'outputs/<name>' for every output of the model; a failed frame's rows are NaN")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
     p.add_argument("--give-up-after", type=float, default=GIVE_UP_AFTER, metavar="SECONDS",
@@ -73,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
-    shown = Outputs(how.output, args.output_dir)
+    shown = Shown(how.output, args.output_dir)
     inputs: list[np.ndarray] = []
-    outputs: list[np.ndarray] = []
+    outputs: list[dict[str, np.ndarray] | None] = []  # per frame, None for a failed one (--save-outputs)
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
     failures = 0
     try:
@@ -114,12 +117,12 @@ def run(args: argparse.Namespace) -> int:
                     failures += 1
                     print(f"frame {result.index}: ERROR {result.error}", flush=True)
                     if args.save_outputs:
-                        outputs.append(np.full_like(outputs[-1], np.nan) if outputs else np.array([np.nan]))
+                        outputs.append(None)
                     continue
                 latencies.append(result.latency)
                 if args.save_outputs:
-                    outputs.append(result.output)
-                shown_output = shown.frame(result.index, result.output)
+                    outputs.append(result.outputs)
+                shown_output = shown.frame(result.index, result.outputs)
                 if not args.quiet:
                     fps = len(latencies) / (time.perf_counter() - start)
                     print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown_output}",
@@ -130,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
             log_file.close()
     if args.save_outputs:
         empty = np.zeros((0, how.channels, height, width))
-        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else empty,
-                 outputs=np.concatenate(outputs) if outputs else np.zeros((0,)))
+        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else empty, **saved_outputs(outputs))
     done = len(latencies)
     if done:
         p50, p95 = np.percentile(latencies, [50, 95])
@@ -181,26 +183,57 @@ def _seeded(model: str, weights: str | None) -> bool:
     return model in SEEDED
 
 
-class Outputs:
-    """What `deepco run` does with each frame's output: top labels, a saved tensor (raw), or its shape."""
+def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+    """The --save-outputs arrays of every frame's outputs (None: a failed frame, NaN rows): ``outputs`` for a
+    one-output model, else ``outputs/<name>`` for each output; nothing succeeded: ``outputs``, empty."""
+    first = next((f for f in frames if f is not None), None)
+    if first is None:
+        return {"outputs": np.zeros((0,))}
+    keys = {name: "outputs" if len(first) == 1 else f"outputs/{name}" for name in first}
+
+    def failed(like: np.ndarray) -> np.ndarray:
+        return np.full(like.shape, np.nan, dtype=like.dtype if like.dtype.kind == "f" else np.float64)
+
+    return {keys[name]: np.concatenate([f[name] if f is not None else failed(like) for f in frames])
+            for name, like in first.items()}
+
+
+def file_names(names: list[str]) -> dict[str, str]:
+    """Each output's name as a part of a file name: what is not a letter, digit, '.', '-' or '_' becomes '_',
+    and names that would then clash get their output's index appended."""
+    safe = {name: re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "output" for name in names}
+    taken = list(safe.values())
+    return {name: s if taken.count(s) == 1 else f"{s}-{k}" for k, (name, s) in enumerate(safe.items())}
+
+
+class Shown:
+    """What `deepco run` does with each frame's outputs: top labels, saved tensors (raw), or their shapes."""
 
     def __init__(self, mode: str, directory: str):
         self.mode, self.directory = mode, Path(directory)
         self.noise = False
 
-    def frame(self, index: int, output: np.ndarray) -> str:
-        """Show or save one frame's output; the text for its line."""
+    def frame(self, index: int, outputs: dict[str, np.ndarray]) -> str:
+        """Show or save one frame's outputs; the text for its line. ``--output raw`` writes one file per output:
+        ``frame-NNNNNN.npy`` for a one-output model, else ``frame-NNNNNN-<name>.npy``."""
         from deepco_device.preprocess import top_labels
 
-        mode = self.mode if self.mode != "auto" else ("labels" if output.size == 1000 else "shape")
-        if mode == "labels":
-            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(output, 3))
+        only = next(iter(outputs.values())) if len(outputs) == 1 else None
+        mode = self.mode if self.mode != "auto" else ("labels" if only is not None and only.size == 1000 else "shape")
+        if mode == "labels" and only is not None:
+            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(only, 3))
             return f"random weights: {labels}" if self.noise else labels
-        described = (f"output {'x'.join(map(str, output.shape))} {output.dtype} in "
-                     f"[{float(output.min()):.3g}, {float(output.max()):.3g}]")
-        if mode == "shape":
-            return described + " (--output raw saves it)"
+        described = [(name, f"{'output' if only is not None else name} {'x'.join(map(str, y.shape))} {y.dtype} in "
+                            f"[{float(y.min()):.3g}, {float(y.max()):.3g}]") for name, y in outputs.items()]
+        text = "; ".join(d for _, d in described)
+        if mode != "raw":
+            return text + f" (--output raw saves {'it' if only is not None else 'them'})"
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"frame-{index:06d}.npy"
-        np.save(path, output)
-        return f"{described} -> {path}"
+        shown = []
+        files = file_names(list(outputs))
+        for name, what in described:
+            suffix = "" if only is not None else f"-{files[name]}"
+            path = self.directory / f"frame-{index:06d}{suffix}.npy"
+            np.save(path, outputs[name])
+            shown.append(f"{what} -> {path}")
+        return "; ".join(shown)
