@@ -14,6 +14,7 @@ in-process servers on loopback.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
 from deepco.cli import main
 from deepco.cluster import parse_cluster
-from deepco.planning.staged import scales_plan, split_plan, split_shares
+from deepco.planning.staged import StagedPlan, scales_plan, split_plan, split_shares
 from deepco.wire.client import InferenceClient, ServerError, WrongAnswer
 
 SIZE = (64, 64)  # yolov8n's stride 32 divides it: 2x2 at P5
@@ -118,6 +119,7 @@ def test_a_plan_across_scales_runs_exactly_on_the_servers(device):
     planner = StagedPlanner(device)
     plan = scales_plan(planner.costs, planner.rates(), ["s0", "s1"])
     assert plan is not None and len(plan.tensors) >= 2
+    assert StagedPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan  # saved and run as data
     assert split_shares(plan, planner.costs)["plan"] > split_shares(plan, planner.costs)["single_tensor_cuts"]
     want = whole_model(device.reference_model, normalise(pixels(2), device.preprocessing))
     runner = StagedRunner(device, plan)
