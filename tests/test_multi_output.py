@@ -24,6 +24,7 @@ import pytest
 import torch
 from deepco_device.answers import check_outputs, output_specs, relative_error
 from deepco_device.preprocess import normalise
+from deepco_device.run_command import file_names, saved_outputs
 from deepco_device.session import Device
 from deepco_device.staged import StagedPlanner, StagedRunner
 from deepco_server.app import ServeConfig, Server
@@ -174,6 +175,17 @@ def test_run_saves_and_writes_every_output(servers, yolo, tmp_path):
     assert sorted(p.name for p in raw.iterdir()) == [f"frame-000000-{n}.npy" for n in ("p3", "p4", "p5")]
     for name in want:
         np.testing.assert_array_equal(np.load(raw / f"frame-000000-{name}.npy"), data[f"outputs/{name}"])
+
+
+def test_a_failed_frame_is_nan_in_every_saved_output_and_names_become_file_names():
+    ok = {"boxes/p3": np.ones((1, 2, 3, 3), np.float32), "scores": np.zeros((1, 4), np.float32)}
+    saved = saved_outputs([ok, None, ok])
+    assert sorted(saved) == ["outputs/boxes/p3", "outputs/scores"]
+    assert saved["outputs/scores"].shape == (3, 4) and np.isnan(saved["outputs/scores"][1]).all()
+    assert not np.isnan(saved["outputs/boxes/p3"][[0, 2]]).any() and np.isnan(saved["outputs/boxes/p3"][1]).all()
+    assert list(saved_outputs([None, {"y": np.ones((1, 3))}])) == ["outputs"]
+    assert file_names(["boxes/p3", "scores", "a:b", "a_b"]) == {"boxes/p3": "boxes_p3", "scores": "scores",
+                                                                "a:b": "a_b-2", "a_b": "a_b-3"}
 
 
 class TinyUNet(nn.Module):
