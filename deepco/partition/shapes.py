@@ -90,7 +90,10 @@ def fold_request_shapes(model: onnx.ModelProto, max_elements: int = 4096, rounds
     static output shape. Only what ONNX shape inference derives from those inputs is trusted (the model's
     own ``value_info`` and output shapes are set aside while folding), and only shape arithmetic
     (`SHAPE_ARITHMETIC`) with outputs of at most ``max_elements`` elements is evaluated: an uploaded model
-    must not make the folding itself allocate or compute much."""
+    must not make the folding itself allocate or compute much. A model without Shape or Size nodes comes back
+    as it is (not copied: a plain CNN's request bound pays nothing for this)."""
+    if not any(n.op_type in ("Shape", "Size") for n in model.graph.node):
+        return model
     return _fold(model, _undeclared, rounds, max_elements)
 
 
