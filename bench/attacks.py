@@ -213,7 +213,7 @@ def main() -> int:
                 continue
             reset_peak(pid)
             tracebacks = "".join(server.stderr_lines).count("Traceback")
-            with Prober(server.address) as prober:
+            with Prober(server.address, own_process=True) as prober:
                 started = time.monotonic()
                 outcomes = attack(args.seconds)
                 took = time.monotonic() - started

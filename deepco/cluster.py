@@ -1,6 +1,6 @@
 """The one cluster model: the device and its antennas, the servers, and the sites they sit in.
 
-Loaded from a TOML file (see ``examples/`` and the README). Both the inference planner
+Loaded from a TOML file (see ``examples/`` and docs/usage.md). Both the inference planner
 (``deepco.planning``) and the training scheduler (``deepco.scheduling``) read it, so a server carries
 what each needs: a compute capacity for inference planning, and resources, slots and a site for
 training jobs. Every validation error names the file, the key and the problem; every missing key of a

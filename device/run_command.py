@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", default="auto",
                    choices=["auto", "local", "offload", "thread", "thread-sa", "single", "equal"],
                    help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like or "
-                        "fused hybrids, see README); local: the device alone; offload: the whole model on the best "
+                        "fused hybrids, docs/usage.md); local: the device alone; offload: the whole model on the best "
                         "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
                         "server, equal rows (a naive baseline)")
     p.add_argument("--plan", default=None, metavar="F.json",

@@ -146,13 +146,21 @@ class _Lane:
     def __init__(self, kind: str, limit: int, spare_threads: int = 2):
         self.kind, self.limit = kind, limit
         self._free = threading.BoundedSemaphore(limit)
+        self.taken = 0  # slots held now (read without the lock: a gauge, not a decision)
+        self._lock = threading.Lock()
         # Spare threads: a call gives its slot back just before its thread returns to the pool.
         self.pool = CountingExecutor(limit + spare_threads, thread_name_prefix=f"deepco-{kind.split('/')[0]}")
 
     def take(self) -> bool:
-        return self._free.acquire(blocking=False)
+        if not self._free.acquire(blocking=False):
+            return False
+        with self._lock:
+            self.taken += 1
+        return True
 
     def give(self) -> None:
+        with self._lock:
+            self.taken -= 1
         self._free.release()
 
     def busy(self, method: str) -> str:
@@ -293,6 +301,11 @@ class BudgetInterceptor(grpc.ServerInterceptor):
     def queued(self) -> int:
         """Calls admitted and waiting for a worker thread, all pools together."""
         return sum(pool.queued for pool in self._pools)
+
+    @property
+    def open_calls(self) -> int:
+        """Calls holding a stream, work or control slot now (probes and refusals hold none)."""
+        return self._streams.taken + self._work.taken + self._control.taken
 
     @property
     def held_bytes(self) -> int:

@@ -11,7 +11,7 @@ may take, checked before it runs.
   the nodes in order) must stay under the ``--max-request-bytes`` budget. A tensor whose size depends on
   input *values* (ConstantOfShape, Expand, Tile, Range, Resize fed by an input) has no static shape, so a
   93-byte model cannot ask for 14 GB. Sizes computed from input *shapes* are folded to constants first
-  (deepco.partition.shapes.fold_request_shapes), so a PyTorch U-Net's shape-derived Resize passes.
+  (deepco.partition.shapes.fold_request_shapes), so a PyTorch U-Net's shape-derived Pad or Resize passes.
 - Fixed-size elements only (:func:`check_fixed_size_elements`): a string (or a sequence, map or optional)
   has no size its shape gives, so the bound cannot count it (a 925-byte model cast its input to STRING and
   doubled it with StringConcat 27 times: 2.5 GB from a 4-byte request). Such a model is refused at load,
@@ -275,9 +275,10 @@ class SizeBound:
                     dim.Clear()
                     dim.dim_value = size
         shown = _shapes(tuple(shapes.items()))
-        # At these input shapes, sizes computed from shapes (PyTorch's F.interpolate(size=t.shape[2:]): Shape ->
-        # Slice -> Concat -> Resize) are constants: folded, such a Resize has a static output. A graph the
-        # folding cannot read is left as it is: the inference below says why.
+        # At these input shapes, sizes computed from shapes are constants (a PyTorch U-Net's F.pad by the size
+        # difference: Shape -> Gather -> Sub -> Div -> ... -> Pad, whose Div ONNX's data propagation does not
+        # follow): folded, such a Pad or Resize has a static output. A graph the folding cannot read is left as
+        # it is: the inference below says why.
         with contextlib.suppress(Exception):
             model = fold_request_shapes(model)
         try:

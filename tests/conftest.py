@@ -21,6 +21,15 @@ def _session(model: onnx.ModelProto):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """Zoo models exported once for the whole suite (deepco.model_cache), in a folder of its own that every
+    child process inherits: an export costs 5-7 s of CPU, and the suite asks for the same few dozens of times."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEEPCO_MODEL_CACHE", str(tmp_path_factory.mktemp("model-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def partition_zoo(tmp_path_factory) -> Callable[[str, int, int], tuple[onnx.ModelProto, str]]:
     """(model, path of its .onnx file) for a zoo model, exported once per session.

@@ -61,3 +61,14 @@ def test_server_and_device_install_under_distinctive_names(tmp_path):
     ran = subprocess.run([sys.executable, "-m", "deepco", "--version"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert ran.returncode == 0 and ran.stdout.startswith("deepco ")
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    """`deepco serve` (started for every server) once imported every command: SciPy's optimiser, the planner
+    and the benchmark, about 2.5 s of CPU before the server could listen."""
+    check = ("import sys; from deepco.cli import build_parser; build_parser(['serve', '--port', '0']); "
+             "heavy = sorted(m for m in ('scipy.optimize', 'deepco.planning.calibration', 'deepco_bench.benchmark', "
+             "'deepco_device.run_command') if m in sys.modules); print(heavy)")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

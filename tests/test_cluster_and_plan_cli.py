@@ -138,6 +138,17 @@ def test_plan_table_lists_every_selected_server():
     assert all(name in result.stdout for name in ("s1", "s2", "s3", "s4"))
 
 
+def test_plan_table_columns_line_up_with_host_port_names(tmp_path):
+    cluster = tmp_path / "long.toml"
+    cluster.write_text(EXAMPLE.read_text().replace('name = "s1"', 'name = "edge-server-one.example:50051"'))
+    result = deepco("plan", "--cluster", str(cluster))
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.splitlines()[1:]
+    assert "edge-server-one.example:50051" in result.stdout
+    assert len({len(line) for line in table}) == 1, table  # fixed-width fields: every row as long as the header
+    assert all(line.index(" a") == table[0].index(" antenna") for line in table[2:]), table
+
+
 def test_a_cluster_without_workload_cannot_be_planned_abstractly(tmp_path):
     text = VALID.split("[workload]")[0] + VALID.split("exchange_time = 0.05")[1]
     result = deepco("plan", "--cluster", str(write(tmp_path, text)))

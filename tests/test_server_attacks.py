@@ -26,7 +26,7 @@ from deepco_server.app import ServeConfig, Server
 from deepco_server.security import ServerSecurity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
-from test_server_support import ROOT, conv_model, reference, serve_process, stalled_upload
+from test_server_support import ROOT, conv_model, reference, serve_process, stalled_upload, wait_until
 from tls_support import Certs, make_certs
 
 from deepco.wire import deepco_service_pb2 as dpb
@@ -201,12 +201,20 @@ def _idle_streams(address: str, model: str, count: int) -> tuple[list, list]:
     return calls, channels
 
 
+def _finished_calls(server: Server) -> float:
+    """Calls the server has ended (answered or refused), from its own request counter."""
+    return sum(sample.value for metric in server.metrics.registry.collect() if metric.name == "deepco_grpc_requests"
+               for sample in metric.samples if sample.name.endswith("_total"))
+
+
 def test_idle_streams_cannot_starve_readiness(server: Server) -> None:
     with InferenceClient(server.address) as c:
         c.load_model(MODEL, "conv")
+    before = _finished_calls(server)
     calls, channels = _idle_streams(server.address, "conv", 16)
     try:
-        time.sleep(1.0)  # let them all arrive and take what they can
+        wait_until(lambda: server.budgets.open_calls + _finished_calls(server) - before >= len(calls), 10,
+                   "every idle stream holding a slot, refused, or answered (its reply left unread)")
         for _ in range(3):
             _ready_within_one_second(server.address)
         with InferenceClient(server.address, timeout=5) as c:  # and real work is still served

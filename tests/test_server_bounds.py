@@ -39,7 +39,7 @@ from deepco_server.model_checks import SizeBound, check_fixed_size_elements, par
 from deepco_server.security import ServerSecurity
 from deepco_server.split_jobs import Mailboxes
 from onnx import TensorProto, helper
-from test_server_support import conv_model, metric_sum, reference, scrape, serve_process
+from test_server_support import conv_model, metric_sum, reference, scrape, serve_process, wait_until
 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import inference_pb2 as pb
@@ -206,8 +206,9 @@ def test_out_of_range_typed_contents_are_invalid_argument(attacked: Attacked, pr
 def test_headers_only_probes_do_not_freeze_the_probes(attacked: Attacked, probed: Prober, method: str) -> None:
     """Two probe calls that sent their headers and never their body held both probe threads: every probe timed
     out for as long as their connection stayed open."""
-    with headers_only(attacked.address, method, 4):
-        time.sleep(1.5)
+    with headers_only(attacked.address, method, 4) as stalled:
+        # a probe is answered without its body, so the stalled ones end: they reached the server
+        wait_until(lambda: all(call.done() for call in stalled), 10, "the headers-only probes answered")
         outcomes = answer_within(attacked.address)
     assert all(o.startswith(("OK", "NOT_FOUND")) for o in outcomes.values()), outcomes
 
@@ -223,7 +224,7 @@ def test_headers_only_control_calls_do_not_freeze_control_calls() -> None:
     try:
         with Prober(srv.address) as prober, headers_only(
                 srv.address, "/inference.GRPCInferenceService/RepositoryIndex", 8, metadata=auth) as stalled:
-            time.sleep(0.5)
+            wait_until(lambda: srv.budgets.open_calls >= 8, 10, "the 8 headers-only control calls admitted")
             outcomes = answer_within(srv.address, metadata=auth)
             assert all(o.startswith(("OK", "NOT_FOUND")) for o in outcomes.values()), outcomes
             for call in stalled:  # and the stalled ones are cancelled once their body is 2 s late

@@ -304,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
     from deepco import zoo
     from deepco.parsing import parse_size
+    from deepco.partition.source import load_model
 
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo: clip {clip.name}: {args.frames} frames panning and zooming over grace_hopper.jpg", flush=True)
         model_path = tmp / f"{args.model}.onnx"
         print(f"demo: exporting {args.model} at {height}x{width} ...", flush=True)
-        model_path.write_bytes(zoo.export(args.model, height, width).SerializeToString())
+        model_path.write_bytes(load_model(args.model, height, width).SerializeToString())  # the model cache's
         with weak_camera(args.camera_cpu) as (cgroup, camera), local_servers(args.servers) as addresses:
             print(f"demo: {camera}", flush=True)
             print(f"demo: {len(addresses)} local servers: {', '.join(addresses)}; EMULATED links: {args.antennas} "

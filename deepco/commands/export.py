@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Export (or re-check) the model, check that it runs at the size, and write it."""
     from deepco.partition import check_size, load_model
+    from deepco.partition.graph import fixed_size_problem
 
     height, width = parse_size(args.input_size)
     out = Path(args.output)
@@ -44,7 +45,14 @@ def run(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise UserError(f"--output: directory {str(out.parent)!r} does not exist")
     model = load_model(args.model, height, width, args.weights)
+    inputs = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    problem = fixed_size_problem(inputs[0], height, width) if len(inputs) == 1 else None
+    if problem:
+        raise UserError(problem)
     check_size(model, height, width, args.model)
     onnx.save(model, str(out))
-    print(f"wrote {out} ({args.model}, input {height}x{width}, dynamic height and width)")
+    dims = [d.dim_value if d.HasField("dim_value") else 0 for d in inputs[0].type.tensor_type.shape.dim] \
+        if len(inputs) == 1 else []
+    size = "fixed height and width" if len(dims) == 4 and dims[2] > 0 and dims[3] > 0 else "dynamic height and width"
+    print(f"wrote {out} ({args.model}, runs at {height}x{width}, {size})")
     return 0

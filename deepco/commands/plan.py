@@ -44,13 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def format_plan(plan: Plan) -> str:
     """A readable table of a plan."""
-    head = (f"{'server':<12} {'antenna':<8} {'order':>5} {'ratio':>8} {'tx start':>10} {'tx time':>10} "
+    # columns as wide as their longest entry: servers are often named by host:port
+    w = max([len("server"), *(len(a.name) for a in plan.servers)])
+    v = max([len("antenna"), *(len(str(a.antenna)) for a in plan.servers)])
+    head = (f"{'server':<{w}} {'antenna':<{v}} {'order':>5} {'ratio':>8} {'tx start':>10} {'tx time':>10} "
             f"{'compute':>10} {'exchange':>10} {'finish':>10}")
     lines = [f"algorithm: {plan.algorithm}   completion time: {plan.completion_time:.6g}   "
              f"servers: {len(plan.servers)}   halo ratio per block: {plan.halo_ratio:g}", head,
              "-" * len(head)]
     for a in plan.servers:
-        lines.append(f"{a.name:<12} {a.antenna:<8} {a.order:>5} {a.ratio:>8.4f} {a.transfer_start:>10.4g} "
+        lines.append(f"{a.name:<{w}} {a.antenna:<{v}} {a.order:>5} {a.ratio:>8.4f} {a.transfer_start:>10.4g} "
                      f"{a.transfer_time:>10.4g} {a.compute_time:>10.4g} {a.exchange_time:>10.4g} "
                      f"{a.finish_time:>10.4g}")
     return "\n".join(lines)

@@ -69,6 +69,22 @@ def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in shape.dim]
 
 
+def fixed_size_problem(image_input: onnx.ValueInfoProto, height: int, width: int) -> str | None:
+    """Why a model whose image input has a fixed height or width cannot take ``height`` x ``width`` (naming the
+    input and the flag that fixes it), or None."""
+    dims = _dims(image_input)
+    if len(dims) != 4:
+        return None
+    clash = [(want, dims[axis]) for axis, want in ((2, height), (3, width))
+             if isinstance(dims[axis], int) and dims[axis] > 0 and dims[axis] != want]
+    if not clash:
+        return None
+    fixed = f"{dims[2] if isinstance(dims[2], int) and dims[2] > 0 else height}x" \
+            f"{dims[3] if isinstance(dims[3], int) and dims[3] > 0 else width}"
+    return (f"the model's input {image_input.name!r} is fixed at {dims[2]}x{dims[3]}, not {height}x{width}: "
+            f"give --input-size {fixed}")
+
+
 class RowGraph:
     """Row-level analysis of one ONNX model for one input size (see the module docstring)."""
 
@@ -89,11 +105,9 @@ class RowGraph:
         dims = _dims(self.input)
         if len(dims) != 4:
             raise PartitionError(f"input {self.input_name!r} must be 4-d NCHW, it has shape {dims or '?'}")
-        for axis, want in ((2, height), (3, width)):
-            if isinstance(dims[axis], int) and dims[axis] > 0 and dims[axis] != want:
-                raise PartitionError(
-                    f"input {self.input_name!r} is fixed at {dims[2]}x{dims[3]}, not {height}x{width}"
-                )
+        problem = fixed_size_problem(self.input, height, width)
+        if problem:
+            raise PartitionError(problem)
         self.channels = dims[1] if isinstance(dims[1], int) and dims[1] > 0 else 3
         # bytes of one element of the image input (1 for uint8 pixels) and of every tensor after it (float32)
         self.itemsize = onnx.helper.tensor_dtype_to_np_dtype(self.input.type.tensor_type.elem_type).itemsize

@@ -7,6 +7,7 @@ from pathlib import Path
 import onnx
 
 from deepco.errors import UserError
+from deepco.model_cache import cached_export
 from deepco.partition.flops import node_flops
 from deepco.partition.graph import PartitionError, RowGraph
 
@@ -33,16 +34,26 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
     return model
 
 
-def load_model(spec: str, height: int, width: int, weights: str | None = None) -> onnx.ModelProto:
-    """``spec`` is a zoo name (exported at ``height`` x ``width``) or a path to an .onnx file."""
-    from deepco import zoo  # torch is only imported when a zoo model is asked for
+def _export(spec: str, height: int, width: int, weights: str | None) -> onnx.ModelProto:
+    from deepco import zoo  # torch is only imported when a zoo model is exported
 
-    if spec in zoo.MODELS:
+    if spec not in zoo.MODELS:
+        raise UserError(f"unknown model {spec!r} (zoo: {', '.join(zoo.MODELS)}; or a path to an .onnx file)")
+    return zoo.export(spec, height, width, weights=weights)
+
+
+def load_model(spec: str, height: int, width: int, weights: str | None = None) -> onnx.ModelProto:
+    """``spec`` is a zoo name (exported at ``height`` x ``width``, or read from the model cache:
+    deepco.model_cache) or a path to an .onnx file."""
+    if not spec.endswith(".onnx") and not Path(spec).exists():
+        return cached_export(spec, height, width, weights,
+                             lambda: _export(spec, height, width, weights))
+    from deepco import zoo
+
+    if spec in zoo.MODELS:  # a file or folder of that name in the working directory does not shadow the zoo model
         return zoo.export(spec, height, width, weights=weights)
     if weights is not None:
         raise UserError("--weights applies to zoo models only, not to an ONNX file")
-    if not spec.endswith(".onnx") and not Path(spec).exists():
-        raise UserError(f"unknown model {spec!r} (zoo: {', '.join(zoo.MODELS)}; or a path to an .onnx file)")
     return load_onnx(spec)
 
 
