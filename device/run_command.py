@@ -30,10 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
     p.add_argument("--algorithm", default="auto",
                    choices=["auto", "local", "offload", "thread", "thread-sa", "single", "equal"],
-                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like or "
-                        "fused hybrids, docs/usage.md); local: the device alone; offload: the whole model on the best "
-                        "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
-                        "server, equal rows (a naive baseline)")
+                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like, "
+                        "fused hybrids or one stage across scales, docs/usage.md); local: the device alone; "
+                        "offload: the whole model on the best server; thread/thread-sa/single: the paper's planners "
+                        "(tail on the device); equal: every server, equal rows (a naive baseline)")
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
