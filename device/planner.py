@@ -227,9 +227,9 @@ class LiveFrames:
         """A frame whose server failed: it is the next frame again."""
         self._back.append(x)
 
-    def done(self, output: np.ndarray, timing: FrameTiming, plan: StagedPlan) -> None:
+    def done(self, outputs: dict[str, np.ndarray], timing: FrameTiming, plan: StagedPlan) -> None:
         """A frame ran on ``plan``: hand its result on."""
-        result = FrameResult(self.taken, output=output, latency=timing.latency)
+        result = FrameResult(self.taken, outputs=outputs, latency=timing.latency)
         timeline(result, timing, plan, 0.0, None)
         self.taken += 1
         self.emit(result, plan.predicted)
@@ -253,7 +253,7 @@ class _BlankFrames:
     def put_back(self, x: np.ndarray) -> None:
         pass
 
-    def done(self, output: np.ndarray, timing: FrameTiming, plan: StagedPlan) -> None:
+    def done(self, outputs: dict[str, np.ndarray], timing: FrameTiming, plan: StagedPlan) -> None:
         pass
 
 
@@ -283,11 +283,11 @@ class _PlanRuns:
         """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames."""
         x = self.frames.next()
         try:
-            output, timing = runner.run_frame(x)
+            outputs, timing = runner.run_frame(x)
         except ServerError:
             self.frames.put_back(x)
             raise
-        self.frames.done(output, timing, runner.plan)
+        self.frames.done(outputs, timing, runner.plan)
         return timing.latency
 
     def release(self, plan: StagedPlan) -> None:

@@ -120,10 +120,10 @@ class ServerTiming:
 
 @dataclass
 class FrameResult:
-    """One frame's output (or error) and its timeline."""
+    """One frame's outputs (or error) and its timeline."""
 
     index: int
-    output: np.ndarray | None = None
+    outputs: dict[str, np.ndarray] | None = None  # every output of the model by name, in its order
     error: str | None = None
     latency: float = 0.0
     dispatch: float = 0.0  # from the last slice's return to the start of stitching (thread hand-over)
@@ -131,6 +131,15 @@ class FrameResult:
     tail: float = 0.0
     servers: list[ServerTiming] = field(default_factory=list)
     staged: FrameTiming | None = None  # the runner's own timing of the try that succeeded
+
+    @property
+    def output(self) -> np.ndarray | None:
+        """The output of a one-output model (None after an error); ValueError naming them if there are several."""
+        if self.outputs is None:
+            return None
+        if len(self.outputs) != 1:
+            raise ValueError(f"the model has {len(self.outputs)} outputs ({', '.join(self.outputs)}): read outputs")
+        return next(iter(self.outputs.values()))
 
     def log_record(self, predicted: float) -> dict:
         """The --json-log line of this frame."""

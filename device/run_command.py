@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,10 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
     p.add_argument("--algorithm", default="auto",
                    choices=["auto", "local", "offload", "thread", "thread-sa", "single", "equal"],
-                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like or "
-                        "fused hybrids, docs/usage.md); local: the device alone; offload: the whole model on the best "
-                        "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
-                        "server, equal rows (a naive baseline)")
+                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like, "
+                        "fused hybrids or one stage across scales, docs/usage.md); local: the device alone; "
+                        "offload: the whole model on the best server; thread/thread-sa/single: the paper's planners "
+                        "(tail on the device); equal: every server, equal rows (a naive baseline)")
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
@@ -52,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
     p.add_argument("--depth", type=int, default=2, help="frames in flight at once (pipelining)")
-    p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
+    p.add_argument("--save-outputs", metavar="FILE.npz",
+                   help="write inputs and outputs for checking: 'inputs', and 'outputs' (a one-output model) or "
+                        "'outputs/<name>' for every output of the model; a failed frame's rows are NaN")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
     p.add_argument("--give-up-after", type=float, default=GIVE_UP_AFTER, metavar="SECONDS",
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
-    results = Results(args, Outputs(how.output, args.output_dir))
+    results = Results(args, Shown(how.output, args.output_dir))
 
     def frames():
         for frame in open_source(args.source, args.frames):
@@ -99,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
             if cache is None or cache.cached is None:
                 dev.setup(rows=not staged)
             print(f"preprocessing: {how.describe()}", flush=True)
-            results.outputs.noise = modelcard.seeded_weights(dev.reference_model)
-            if results.outputs.noise:
+            results.shown.noise = modelcard.seeded_weights(dev.reference_model)
+            if results.shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.runners import StagedRunner
@@ -124,10 +127,10 @@ class Results:
     """What `deepco run` does with each frame's result, whichever plan it ran on (calibration's live frames
     or the pipeline's): its line, its JSON log record, its saved output; and the summary at the end."""
 
-    def __init__(self, args: argparse.Namespace, outputs: Outputs):
-        self.args, self.outputs = args, outputs
+    def __init__(self, args: argparse.Namespace, shown: Shown):
+        self.args, self.shown = args, shown
         self.inputs: list[np.ndarray] = []  # with --save-outputs: what each frame gave the model
-        self.saved: list[np.ndarray] = []
+        self.saved: list[dict[str, np.ndarray] | None] = []  # per frame, None for a failed one (--save-outputs)
         self.latencies: list[float] = []
         self.failures = 0
         self.count = 0  # results so far
@@ -148,12 +151,12 @@ class Results:
             self.failures += 1
             print(f"frame {result.index}: ERROR {result.error}", flush=True)
             if self.args.save_outputs:
-                self.saved.append(np.full_like(self.saved[-1], np.nan) if self.saved else np.array([np.nan]))
+                self.saved.append(None)
             return
         self.latencies.append(result.latency)
         if self.args.save_outputs:
-            self.saved.append(result.output)
-        shown = self.outputs.frame(result.index, result.output)
+            self.saved.append(result.outputs)
+        shown = self.shown.frame(result.index, result.outputs)
         if not self.args.quiet:
             fps = len(self.latencies) / (time.perf_counter() - self.began)
             print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown}", flush=True)
@@ -172,7 +175,7 @@ class Results:
         if self.args.save_outputs:
             empty = np.zeros((0, channels, height, width))
             np.savez(self.args.save_outputs, inputs=np.concatenate(self.inputs) if self.inputs else empty,
-                     outputs=np.concatenate(self.saved) if self.saved else np.zeros((0,)))
+                     **saved_outputs(self.saved))
         done, elapsed = len(self.latencies), self.elapsed
         if done:
             p50, p95 = np.percentile(self.latencies, [50, 95])
@@ -257,26 +260,57 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: It
     return plan, lambda down: planner.best(args.objective, exclude=down), None, rest
 
 
-class Outputs:
-    """What `deepco run` does with each frame's output: top labels, a saved tensor (raw), or its shape."""
+def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+    """The --save-outputs arrays of every frame's outputs (None: a failed frame, NaN rows): ``outputs`` for a
+    one-output model, else ``outputs/<name>`` for each output; nothing succeeded: ``outputs``, empty."""
+    first = next((f for f in frames if f is not None), None)
+    if first is None:
+        return {"outputs": np.zeros((0,))}
+    keys = {name: "outputs" if len(first) == 1 else f"outputs/{name}" for name in first}
+
+    def failed(like: np.ndarray) -> np.ndarray:
+        return np.full(like.shape, np.nan, dtype=like.dtype if like.dtype.kind == "f" else np.float64)
+
+    return {keys[name]: np.concatenate([f[name] if f is not None else failed(like) for f in frames])
+            for name, like in first.items()}
+
+
+def file_names(names: list[str]) -> dict[str, str]:
+    """Each output's name as a part of a file name: what is not a letter, digit, '.', '-' or '_' becomes '_',
+    and names that would then clash get their output's index appended."""
+    safe = {name: re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "output" for name in names}
+    taken = list(safe.values())
+    return {name: s if taken.count(s) == 1 else f"{s}-{k}" for k, (name, s) in enumerate(safe.items())}
+
+
+class Shown:
+    """What `deepco run` does with each frame's outputs: top labels, saved tensors (raw), or their shapes."""
 
     def __init__(self, mode: str, directory: str):
         self.mode, self.directory = mode, Path(directory)
         self.noise = False
 
-    def frame(self, index: int, output: np.ndarray) -> str:
-        """Show or save one frame's output; the text for its line."""
+    def frame(self, index: int, outputs: dict[str, np.ndarray]) -> str:
+        """Show or save one frame's outputs; the text for its line. ``--output raw`` writes one file per output:
+        ``frame-NNNNNN.npy`` for a one-output model, else ``frame-NNNNNN-<name>.npy``."""
         from deepco_device.preprocess import top_labels
 
-        mode = self.mode if self.mode != "auto" else ("labels" if output.size == 1000 else "shape")
-        if mode == "labels":
-            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(output, 3))
+        only = next(iter(outputs.values())) if len(outputs) == 1 else None
+        mode = self.mode if self.mode != "auto" else ("labels" if only is not None and only.size == 1000 else "shape")
+        if mode == "labels" and only is not None:
+            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(only, 3))
             return f"random weights: {labels}" if self.noise else labels
-        described = (f"output {'x'.join(map(str, output.shape))} {output.dtype} in "
-                     f"[{float(output.min()):.3g}, {float(output.max()):.3g}]")
-        if mode == "shape":
-            return described + " (--output raw saves it)"
+        described = [(name, f"{'output' if only is not None else name} {'x'.join(map(str, y.shape))} {y.dtype} in "
+                            f"[{float(y.min()):.3g}, {float(y.max()):.3g}]") for name, y in outputs.items()]
+        text = "; ".join(d for _, d in described)
+        if mode != "raw":
+            return text + f" (--output raw saves {'it' if only is not None else 'them'})"
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"frame-{index:06d}.npy"
-        np.save(path, output)
-        return f"{described} -> {path}"
+        shown = []
+        files = file_names(list(outputs))
+        for name, what in described:
+            suffix = "" if only is not None else f"-{files[name]}"
+            path = self.directory / f"frame-{index:06d}{suffix}.npy"
+            np.save(path, outputs[name])
+            shown.append(f"{what} -> {path}")
+        return "; ".join(shown)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from deepco_device.answers import relative_error
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
@@ -94,13 +95,13 @@ class Runner:
             self.predicted, self.plan = plan.predicted, plan
             self.predicted_fps = objective_plans["planner"].fps(plan)
 
-    def frame(self, px: np.ndarray) -> tuple[np.ndarray, float]:
-        """Run one frame alone."""
+    def frame(self, px: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Run one frame alone: (every output by name, seconds)."""
         start = time.perf_counter()
-        output, _ = self.impl.run_frame(px)
-        return output, time.perf_counter() - start
+        outputs, _ = self.impl.run_frame(px)
+        return outputs, time.perf_counter() - start
 
-    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[np.ndarray]]:
+    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[dict[str, np.ndarray]]]:
         """Sustained frames per second with ``depth`` frames in flight, and the outputs."""
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=depth) as pool:
@@ -142,12 +143,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         runners = {a: Runner(a, device, peer, plans) for a in algorithms}
         px = photo_pixels(h, w, how)
         whole = ort.InferenceSession(device.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
-        reference = whole.run(None, {whole.get_inputs()[0].name: normalise(px, how)})[0]
-        scale = float(np.abs(reference).max()) or 1.0
+        names = [o.name for o in whole.get_outputs()]
+        reference = dict(zip(names, whole.run(None, {whole.get_inputs()[0].name: normalise(px, how)}), strict=True))
         worst = {a: 0.0 for a in algorithms}
 
-        def check(algorithm: str, output: np.ndarray) -> None:
-            worst[algorithm] = max(worst[algorithm], float(np.abs(output - reference).max()) / scale)
+        def check(algorithm: str, outputs: dict[str, np.ndarray]) -> None:
+            worst[algorithm] = max(worst[algorithm], relative_error(outputs, reference))
 
         for _ in range(WARMUP_FRAMES):
             for a in algorithms:
