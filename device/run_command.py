@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.runners import StagedRunner
 
-            plan, replan, drift = _plan(args, dev, staged)
+            plan, replan, adapt = _plan(args, dev, staged)
             runner = StagedRunner(dev, plan)
             predicted = plan.predicted
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             latencies = []
             depth = max(args.depth, runner.frames_at_once)
-            results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, drift=drift)
+            results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, adapt=adapt)
             for result in results:
                 if log_file:
                     log_file.write(json.dumps(result.log_record(predicted)) + "\n")
@@ -147,9 +147,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace, dev, staged: bool) -> tuple[StagedPlan, Callable, object]:
-    """The plan to run (printed), how failover replans, and the drift watch (None: none)."""
-    from deepco_device.health import DriftWatch
+    """The plan to run (printed), how failover replans, and live adaptation (None: none; auto and the paper's
+    plans adapt, a named or saved plan runs as it is)."""
+    from deepco_device.adaptation import Adaptation
     from deepco_device.planner import StagedPlanner
+
+    from deepco.planning.staged import throughput
 
     if staged:
         planner = StagedPlanner(dev)
@@ -157,10 +160,16 @@ def _plan(args: argparse.Namespace, dev, staged: bool) -> tuple[StagedPlan, Call
         print(dev.describe_measurements(), flush=True)
         print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
               f"{planner.fps(plan):.2f} fps", flush=True)
-        return plan, lambda down: planner.best(args.objective, exclude=down), None
-    # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+        adapt = None
+        if args.plan is None and args.algorithm == "auto":
+            per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if args.objective == "throughput" \
+                else None  # else the predicted latency
+            adapt = Adaptation(dev, lambda down, rates: planner.plans(args.objective, exclude=down, rates=rates)[0],
+                               seconds=per_frame)
+        return plan, lambda down: planner.best(args.objective, exclude=down), adapt
+    # the paper's plan: failover replans with the same algorithm, and it adapts within that algorithm
     print(dev.describe_plan(), flush=True)
-    return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured)
+    return dev.plan, dev.replan(args.algorithm), Adaptation(dev, dev.replan(args.algorithm))
 
 
 def _staged_plan(args: argparse.Namespace, planner, dev) -> StagedPlan:

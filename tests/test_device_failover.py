@@ -145,7 +145,9 @@ def test_a_server_that_comes_back_rejoins_the_plan(tmp_path, model):
         stack.callback(again.kill)
         assert "listening" in again.stdout.readline()
         out.wait_for(lambda line: "server flaky is back" in line, timeout=120)
-        for _ in range(20):  # frames on the plan it rejoined
+        # it joins through live adaptation: the plan with it is tried on live frames and switched to
+        out.wait_for(lambda line: line.startswith("switch: ") and "flaky back" in line, timeout=120)
+        for _ in range(5):  # frames on the plan it rejoined
             out.wait_for(lambda line: line.startswith("frame "), timeout=120)
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=60) == 130, run.stderr.read()
