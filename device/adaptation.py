@@ -136,14 +136,15 @@ class Adaptation:
             out[f"antenna {m}"] = seconds / given[m]
         return out
 
-    def candidate(self, running: StagedPlan, down: set[str], why: str) -> Trial | None:
+    def candidate(self, running: StagedPlan, down: set[str], why: str, margin: float | None = None) -> Trial | None:
         """A trial of the plan the current rates suggest, if the cost model predicts it better than ``running``
-        by the margin (None: keep running)."""
+        by ``margin`` (default: the adaptation's; None returned: keep running)."""
+        margin = self.margin if margin is None else margin
         rates = self.rates()
         plan = self.propose(down, rates)
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
         new, now = self.seconds(plan, rates), self.seconds(running, rates)
-        if new > now * (1 - self.margin):
+        if new >= now * (1 - margin):
             return None
         return Trial(plan, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms", self.frames)

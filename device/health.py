@@ -7,8 +7,9 @@
   new plan, because the plan is made again without it.
 - **Rejoin.** Every PROBE_SECONDS the down servers (not the liars) are asked whether they are ready. With
   live adaptation those that are join through it: the plan the current rates suggest with them is tried on
-  live frames and switched to if it measures faster. Without, the device replans with them at once. Either
-  way the new runner uploads the plan's models again (a restarted server lost them).
+  live frames (whatever the cost model predicts of it) and switched to if it measures faster. Without, the
+  device replans with them at once. Either way the new runner uploads the plan's models again (a restarted
+  server lost them).
 - **Live adaptation** (device/adaptation.py): every frame of the running plan feeds the live rates; on a
   change point a better plan is tried on every other frame and switched to if it measures faster, with one
   line: from, to, why.
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -145,8 +147,8 @@ class Health:
                 self.device.log(f"server {name} is back; replanned: {new.plan.describe()}")
             else:
                 self.device.log(f"server {name} is back")
-        if self.adapt is not None:
-            self._consider(f"{', '.join(back)} back")
+        if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
+            self._consider(f"{', '.join(back)} back", margin=-math.inf)
 
     def observe(self, runner, timing: FrameTiming) -> None:
         """Live adaptation: feed a successful frame's timing. A frame of the running plan feeds the live rates
@@ -169,21 +171,22 @@ class Health:
                                        "at": time.perf_counter()})
             self._consider(", ".join(c.describe() for c in changes))
 
-    def _consider(self, why: str) -> None:
+    def _consider(self, why: str, margin: float | None = None) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
-        for a better plan than the running one, and put it on trial once its models are on the servers."""
+        for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
+        once its models are on the servers."""
         with self.lock:
             if self.trial is not None or self._considering:
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
-        self.background(self._propose, running, down, why)
+        self.background(self._propose, running, down, why, margin)
 
-    def _propose(self, running, down: set[str], why: str) -> None:
+    def _propose(self, running, down: set[str], why: str, margin: float | None) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
         trial = None
         try:
-            trial = self.adapt.candidate(running.plan, down, why)
+            trial = self.adapt.candidate(running.plan, down, why, margin)
             if trial is not None:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
@@ -191,6 +194,8 @@ class Health:
             self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.describe()}: {what}" if trial
                                                      else f"no plan: {what}"))
             trial = None
+        if trial is None:  # not a line: on a busy machine change points come often, and nothing changes
+            self.device.events.append({"event": "kept", "why": why, "at": time.perf_counter()})
         with self.lock:
             self._considering = False
             if trial is not None and self.runner is running:
@@ -215,7 +220,8 @@ class Health:
             self.device.log(f"switch: from {old.plan.describe()} to {trial.plan.describe()}: {trial.why}; "
                             f"measured {trial.verdict()}")
             return
-        self.device.log(f"kept {old.plan.describe()}: {trial.plan.describe()} measured {trial.verdict()}")
+        self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
+                        f"{trial.verdict()}")
         trial.runner.close()
 
     def _abandon(self, runner, exc: ServerError) -> bool:

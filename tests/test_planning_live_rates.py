@@ -29,14 +29,32 @@ def test_a_step_change_is_seen_within_a_few_samples_and_a_single_outlier_never()
     # one frame 10x slower (a hiccup), then back: no change, however large
     assert first_change(detector, [10.0, *noisy(1.0, 10, 1)]) is None
     assert first_change(detector, [0.1, *noisy(1.0, 10, 2)]) is None
-    # a real step to 4x slower: seen at its second sample (the recent median moves), not after tens of frames
+    # a real step to 4x slower: seen at its third sample (all recent ones agree), not after tens of frames
     seen = first_change(detector, noisy(4.0, 20, 3))
     assert seen is not None
     k, factor = seen
     assert k < WINDOW and factor == pytest.approx(4.0, rel=0.15) and detector.level == pytest.approx(4.0, rel=0.15)
-    # and the step back is seen as quickly, from the new level; the level is measured from the first one
+    # once the new level has held a few frames, the step back is seen as quickly; the level is measured from
+    # the first one
+    assert first_change(detector, noisy(4.0, 6, 9)) is None
     k, factor = first_change(detector, noisy(1.0, 20, 4))
     assert k < WINDOW and factor == pytest.approx(0.25, rel=0.15) and detector.level == pytest.approx(1.0, rel=0.1)
+    # a step back right after a change is seen too, a little later (against the few samples of the new level)
+    assert first_change(detector, noisy(1.0, 6, 10)) is None
+    k, factor = first_change(detector, [*noisy(4.0, 3, 11), *noisy(1.0, 10, 12)])
+    assert k == WINDOW - 1 and factor == pytest.approx(4.0, rel=0.15)
+    k, factor = first_change(detector, noisy(1.0, 10, 13))
+    assert k < 2 * WINDOW and detector.level == pytest.approx(1.0, rel=0.1)
+
+
+def test_bimodal_noise_is_no_change_but_a_step_out_of_it_is():
+    """Frames that share a server take one or two units of time at random: no change point, however long;
+    a step to four times slower than that still is one."""
+    rng = np.random.default_rng(8)
+    detector = ChangeDetector()
+    assert first_change(detector, list(rng.choice([1.0, 2.0], 200))) is None
+    seen = first_change(detector, list(rng.choice([4.0, 8.0], 20)))
+    assert seen is not None and seen[0] < 10
 
 
 def test_live_rates_rescale_only_the_rate_that_changed_and_keep_it_across_a_restart():

@@ -8,16 +8,17 @@ take its level as the rate. It watches each rate's stream of ratios for a **chan
 two-window median test:
 
 - the *recent* window is the last ``window`` samples, the *reference* the samples before them since the last
-  change (at least ``window`` of them, at most ``history``);
-- a change is declared when the recent median is off the reference median by more than ``threshold``
-  (relative, either way); the recent samples become the new reference, and the rate is rescaled by the
-  recent median over the first reference median of the plan (one origin: small errors cannot add up).
+  change (at least ``REFERENCE`` of them, at most ``history``);
+- a change is declared when every recent sample lies beyond the reference's range (less its most extreme
+  sample either way), the same way, by more than ``threshold`` (relative): frames that share a server, or a
+  busy machine, make samples bimodal, and a change must stand out of that noise; the recent samples become
+  the new reference, and the rate is rescaled by the recent median over the first reference median of the
+  plan (one origin: small errors cannot add up).
 
-A median of three ignores any single outlier (it cannot move the median), and a real step shows in the
-recent median after two samples of the new level: a change is seen within ``window`` samples of it, while a
-long moving average would take tens of frames to move that far. The bias of a plan cancels in the ratio of
-two medians of the same plan, which is why `LiveRates.restart` starts every stream again (from the factors found
-so far) when the plan changes.
+A single outlier never makes every recent sample agree, and a real step has after ``window`` samples of the
+new level: a change is seen at its ``window``-th sample, while a long moving average would take tens of frames
+to move that far. The bias of a plan cancels in the ratio of two medians of the same plan, which is why
+`LiveRates.restart` starts every stream again (from the factors found so far) when the plan changes.
 
 Pure: no clocks, no threads; the device feeds it (device/health.py) and plans on `LiveRates.rates`.
 """
@@ -32,7 +33,8 @@ from deepco.planning.staged import Rates
 
 WINDOW = 3  # recent samples tested against the reference
 HISTORY = 15  # reference samples kept
-THRESHOLD = 0.35  # a change of the median by more than 35% either way is a change point
+THRESHOLD = 0.35  # every recent sample 35% beyond the reference's range, the same way, is a change point
+REFERENCE = 5  # reference samples needed before a test
 
 
 @dataclass(frozen=True)
@@ -69,18 +71,34 @@ class ChangeDetector:
             return None
         self.samples.append(sample)
         del self.samples[:-(self.history + self.window)]
-        if len(self.samples) < 2 * self.window:
+        logs = [math.log(x) for x in self.samples]
+        if self.origin is None and len(logs) >= self.window + REFERENCE:
+            self.origin = math.exp(statistics.median(logs[:-self.window]))
+        k = self._changed(logs)
+        if k is None:
             return None
-        recent = statistics.median(self.samples[-self.window:])
-        reference = statistics.median(self.samples[:-self.window])
-        if self.origin is None:
-            self.origin = reference
-        factor = recent / reference
-        if abs(math.log(factor)) <= math.log1p(self.threshold):
-            return None
-        self.samples = self.samples[-self.window:]
-        self.level = recent / self.origin
-        return factor
+        recent, reference = statistics.median(logs[-k:]), statistics.median(logs[:-k])
+        self.samples = self.samples[-k:]
+        self.level = math.exp(recent) / (self.origin or math.exp(reference))
+        return math.exp(recent - reference)
+
+    def _changed(self, logs: list[float]) -> int | None:
+        """How many of the last samples make a change point against those before them (None: no change).
+
+        The last ``window`` samples are tested against a reference of at least REFERENCE; a longer run of new
+        samples (a change that came soon after the last one) against a shorter reference of at least ``window``.
+        Every sample of the run must lie beyond the reference's range, but its one most extreme sample either
+        way, by the threshold and on the same side."""
+        bar = math.log1p(self.threshold)
+        for k in range(self.window, len(logs) - self.window + 1):
+            if len(logs) - k < (REFERENCE if k == self.window else self.window):
+                continue
+            ordered = sorted(logs[:-k])
+            low, high = ordered[1], ordered[-2]
+            run = logs[-k:]
+            if all(x > high + bar for x in run) or all(x < low - bar for x in run):
+                return k
+        return None
 
     def clear(self) -> None:
         """Forget the samples and the origin (a new plan: its own bias); the level starts again at 1."""
