@@ -108,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
             depth = max(args.depth, runner.frames_at_once)
             results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, adapt=adapt)
             for result in results:
-                if log_file:
+                if log_file:  # a line per frame as it comes: the log can be followed live
                     log_file.write(json.dumps(result.log_record(predicted)) + "\n")
+                    log_file.flush()
                 if result.error is not None:
                     failures += 1
                     print(f"frame {result.index}: ERROR {result.error}", flush=True)

@@ -128,8 +128,10 @@ def run_scenario(args: argparse.Namespace, workdir: Path) -> dict:
             proc = tb.spawn(_run_argv(args, cluster, clip, 2 * phase, log), stdout=printed, stderr=subprocess.STDOUT)
             while len(_logged(log)) < phase and proc.poll() is None:
                 time.sleep(0.05)  # orchestration, not a test: the run goes at its own pace
-            changed = _change(tb, args.scenario, _logged(log), shares)
-            print(f"after frame {len(_logged(log)) - 1}: {changed}", flush=True)
+            before = _logged(log)
+            changed = _change(tb, args.scenario, before, shares)
+            split = len(before)  # the frames logged before the change (the log is written frame by frame)
+            print(f"after frame {split - 1}: {changed}", flush=True)
             proc.wait(timeout=args.timeout)
         out = (workdir / "run.out").read_text()
         if proc.returncode != 0:
@@ -140,10 +142,11 @@ def run_scenario(args: argparse.Namespace, workdir: Path) -> dict:
     records = _logged(log)
     switches = _switch_frames(out)
     fresh_p50 = statistics.median(r["latency"] for r in _logged(fresh_log)[5:])
-    after = [r["latency"] for r in records[phase:] if r["error"] is None]
+    after = [r["latency"] for r in records[split:] if r["error"] is None]
     errors = _errors(log, args.model, args.input_size)
     return {"scenario": args.scenario, "change": changed, "label": tb.label, "phase_frames": phase,
-            "before": _phase(records[:phase]), "after": _phase(records[phase:]), "fresh_p50": fresh_p50,
+            "changed_after": split, "before": _phase(records[:split]), "after": _phase(records[split:]),
+            "fresh_p50": fresh_p50,
             "frames_until_adapted": frames_until_adapted(after, fresh_p50),
             "lost": 2 * phase - len(records) + sum(r["error"] is not None for r in records),
             "in_order": [r["frame"] for r in records] == list(range(len(records))),
@@ -164,7 +167,7 @@ def _switch_frames(out: str) -> list[dict]:
 
 def report(result: dict) -> str:
     """The scenario's report, in lines."""
-    lines = [result["label"], f"scenario {result['scenario']}: after {result['phase_frames']} frames, "
+    lines = [result["label"], f"scenario {result['scenario']}: after {result['changed_after']} frames, "
              f"{result['change']}"]
     for name in ("before", "after"):
         p = result[name]
@@ -188,7 +191,7 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot([v * 1e3 for v in result["latencies"]], marker=".", label="auto")
-    ax.axvline(result["phase_frames"] - 0.5, color="red", linestyle="--", label=result["change"])
+    ax.axvline(result["changed_after"] - 0.5, color="red", linestyle="--", label=result["change"])
     for k, s in enumerate(result["switches"]):
         ax.axvline(s["after_frame"] + 0.5, color="green", linestyle=":", label="switch" if k == 0 else None)
     ax.axhline(result["fresh_p50"] * 1e3, color="black", linewidth=0.8, label="fresh setup p50 after the change")
