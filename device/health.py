@@ -1,108 +1,58 @@
-"""The device's view of its servers' health during a run: failover, rejoin and drift.
+"""The device's view of its servers' health during a run: failover, rejoin and live adaptation.
 
 - **Failover.** A server that fails a frame (an error, a dropped connection, a deadline) is marked down and
   left out of a new plan (``replan(down)``, e.g. the same paper algorithm without it, or the staged
   planner's best); the frame is run again on it. A server that answers wrongly (a tensor that does not fit
   the plan) is down *for good*: it is never probed back. A down server is removed from every stage of the
   new plan, because the plan is made again without it.
-- **Rejoin.** Every PROBE_SECONDS the down servers (not the liars) are asked whether they are ready; those
-  that are rejoin with another replan (the new runner uploads the plan's models again: a restarted server
-  lost them).
-- **Drift.** `DriftWatch`: a server computing, or an antenna sending, persistently off the plan (more than
-  ``threshold`` for ``samples`` frames in a row, all in the same direction) gets its measured speed rescaled
-  by the median of what was seen, and the device replans.
+- **Rejoin.** Every PROBE_SECONDS the down servers (not the liars) are asked whether they are ready. With
+  live adaptation those that are join through it: the plan the current rates suggest with them is tried on
+  live frames (whatever the cost model predicts of it) and switched to if it measures faster. Without, the
+  device replans with them at once. Either way the new runner uploads the plan's models again (a restarted
+  server lost them).
+- **Live adaptation** (device/adaptation.py): every frame of the running plan feeds the live rates; on a
+  change point a better plan is tried on every other frame and switched to if it measures faster, with one
+  line: from, to, why.
 """
 
 from __future__ import annotations
 
-import collections
-import statistics
+import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from deepco_device.records import FrameTiming, Measurements
+from deepco_device.adaptation import Adaptation, Trial
+from deepco_device.records import FrameTiming
 
 from deepco.errors import UserError
-from deepco.planning.staged import DEVICE, CostModel, StagedPlan
+from deepco.planning.staged import StagedPlan
 from deepco.wire.client import ServerError, WrongAnswer
 
 PROBE_SECONDS = 0.5  # how often a down server is asked whether it is back
-DRIFT_THRESHOLD = 0.5  # replan when a server or link is this much (50%) off the plan ...
-DRIFT_SAMPLES = 5  # ... for this many frames in a row, all in the same direction
-
-
-class DriftWatch:
-    """Online re-profiling of split plans: compares each participant's measured compute (the server's own
-    ONNX Runtime time) and its antenna's transfer (until the server reported the input received) with what
-    the plan's rates predict, and rescales ``measured`` when they stay off. Paced antennas are exact by
-    construction and are not watched."""
-
-    def __init__(self, costs: CostModel, measured: Measurements, threshold: float = DRIFT_THRESHOLD,
-                 samples: int = DRIFT_SAMPLES):
-        self.costs, self.measured = costs, measured
-        self.threshold, self.samples = threshold, samples
-        self._windows: dict[str, collections.deque] = {}
-        self._lock = threading.Lock()
-
-    def planned(self, plan: StagedPlan, i: int) -> tuple[float, float]:
-        """(compute, transfer) seconds participant ``i`` of ``plan`` should take at the measured rates."""
-        names: list[str | None] = [None, *plan.levels]
-        flops = sum(self.costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
-        m = self.measured
-        a, b = plan.windows[0][i]
-        transfer = (b - a) * self.costs.row_bytes(None) / m.antenna_bytes_per_second[plan.antennas[i]]
-        return flops / m.server_flops_per_second[plan.servers[i]], transfer + m.request_overhead
-
-    def observe(self, plan: StagedPlan, timing: FrameTiming) -> list[str]:
-        """Feed one frame's timing of ``plan``; what was rescaled (empty: nothing), e.g. ``server s0 at 3.10x
-        the planned time``."""
-        if self.threshold <= 0 or plan.kind != "split":
-            return []
-        samples: dict[str, float] = {}
-        for i, s in enumerate(timing.servers):
-            if s.name == DEVICE:
-                continue
-            compute, transfer = self.planned(plan, i)
-            if compute > 0:
-                samples[f"server {s.name}"] = s.compute / compute
-            if not self.measured.paced and transfer > 1e-3:
-                samples.setdefault(f"antenna {s.antenna}", (s.received - s.send_start) / transfer)
-        changed = []
-        with self._lock:
-            for key, ratio in samples.items():
-                window = self._windows.setdefault(key, collections.deque(maxlen=self.samples))
-                window.append(ratio)
-                if len(window) < self.samples:
-                    continue
-                high = all(r > 1 + self.threshold for r in window)
-                low = all(r < 1 / (1 + self.threshold) for r in window)
-                if not (high or low):
-                    continue
-                factor = statistics.median(window)
-                kind, name = key.split(" ", 1)
-                if kind == "server":
-                    self.measured.server_flops_per_second[name] /= factor
-                else:
-                    self.measured.antenna_bytes_per_second[int(name)] /= factor
-                window.clear()
-                changed.append(f"{key} at {factor:.2f}x the planned time")
-        return changed
 
 
 class Health:
-    """Which servers are down, and the runner frames use now: replaced on a failure, a rejoin or drift.
+    """Which servers are down, and the runner frames use now: replaced on a failure, a rejoin or a switch.
 
     ``make(plan)`` builds a runner for a plan; ``replan(down)`` makes a plan without the servers in ``down``
     (None: no failover, a failed frame is an error); ``ready(server)`` asks a server whether it is ready;
-    ``server_at(address)`` names the server listening at an address."""
+    ``server_at(address)`` names the server listening at an address; ``adapt``: live adaptation (None: the
+    plan changes only on failures and rejoins)."""
+
+    @staticmethod
+    def background(fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on a thread of its own (a trial's uploads: frames go on meanwhile)."""
+        threading.Thread(target=fn, args=args, daemon=True, name="deepco-trial").start()
 
     def __init__(self, device, runner, make: Callable[[StagedPlan], Any],
                  replan: Callable[[set[str]], StagedPlan] | None, ready: Callable[[str], bool],
-                 server_at: Callable[[str], str | None], drift: DriftWatch | None = None):
+                 server_at: Callable[[str], str | None], adapt: Adaptation | None = None):
         self.device, self.runner, self.make, self.replan = device, runner, make, replan
-        self.ready, self.server_at, self.drift = ready, server_at, drift
+        self.ready, self.server_at, self.adapt = ready, server_at, adapt
+        self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
+        self._considering = False  # a candidate is being planned and uploaded
         self.down: set[str] = set()
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
@@ -110,8 +60,11 @@ class Health:
         self._probed = time.monotonic()
 
     def current(self):
-        """The runner a frame should use now."""
+        """The runner a frame should use now: the running plan's, or on every other frame a trial's."""
         with self.lock:
+            trial = self.trial
+            if trial is not None and trial.takes_frame():
+                return trial.runner
             return self.runner
 
     def _rebuild(self) -> Any:
@@ -126,6 +79,8 @@ class Health:
     def failed(self, runner, exc: ServerError) -> str | None:
         """A frame on ``runner`` failed with ``exc``: mark its server down and (once per failure) replan
         without it. Returns why the frame cannot be tried again, or None (try again on `current`)."""
+        if self._abandon(runner, exc):
+            return None
         if self.replan is None:
             return str(exc)
         server = self.server_at(exc.address)
@@ -161,8 +116,9 @@ class Health:
         return None
 
     def rejoin(self) -> None:
-        """Every PROBE_SECONDS, ask the down servers (not the liars) whether they are back; replan with those
-        that are (their models are uploaded again: a restarted server lost them)."""
+        """Every PROBE_SECONDS, ask the down servers (not the liars) whether they are back; those that are join
+        through live adaptation (a trial of the plan with them), or without it by a replan at once (their
+        models are uploaded again either way: a restarted server lost them)."""
         with self.lock:
             if not self.down - self.liars or self.replan is None or time.monotonic() - self._probed < PROBE_SECONDS:
                 return
@@ -176,33 +132,107 @@ class Health:
                 self.down.difference_update(back)
             for name in back:
                 self.device.uploads.forget(self.device.pool.client(name, 0).address)
-            try:
-                new = self._rebuild()
-            except UserError as err:  # ServerError included: it answers but the upload failed
-                with self.lock:
-                    self.down.update(back)
-                self.device.log(f"server(s) {', '.join(back)} answer again but could not rejoin: {err}")
-                return
+            if self.adapt is None:
+                try:
+                    new = self._rebuild()
+                except UserError as err:  # ServerError included: it answers but the upload failed
+                    with self.lock:
+                        self.down.update(back)
+                    self.device.log(f"server(s) {', '.join(back)} answer again but could not rejoin: {err}")
+                    return
         self.device.down.difference_update(back)
         for name in back:
             self.device.events.append({"event": "up", "server": name, "at": time.perf_counter()})
-            self.device.log(f"server {name} is back; replanned: {new.plan.describe()}")
+            if self.adapt is None:
+                self.device.log(f"server {name} is back; replanned: {new.plan.describe()}")
+            else:
+                self.device.log(f"server {name} is back")
+        if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
+            self._consider(f"{', '.join(back)} back", margin=-math.inf)
 
     def observe(self, runner, timing: FrameTiming) -> None:
-        """Drift: feed a successful frame's timing; replan when a rate was rescaled."""
-        if self.drift is None or self.replan is None:
+        """Live adaptation: feed a successful frame's timing. A frame of the running plan feeds the live rates
+        (and may start a trial); a trial's frames and those interleaved with them decide it."""
+        if self.adapt is None or self.replan is None:
             return
-        changed = self.drift.observe(runner.plan, timing)
-        if not changed:
+        with self.lock:
+            trial, running = self.trial, self.runner
+        if trial is not None:
+            if runner is trial.runner or runner is running:
+                trial.record(runner is trial.runner, timing.latency)
+            if trial.decided:
+                self._decide(trial)
             return
-        with self._replanning:
-            try:
-                new = self._rebuild()
-            except UserError as err:
-                self.device.log(f"drift: {'; '.join(changed)}: re-profiled, but could not replan: {err}")
+        if runner is not running:
+            return
+        changes = self.adapt.observe(runner.plan, timing)
+        if changes:
+            self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
+                                       "at": time.perf_counter()})
+            self._consider(", ".join(c.describe() for c in changes))
+
+    def _consider(self, why: str, margin: float | None = None) -> None:
+        """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
+        for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
+        once its models are on the servers."""
+        with self.lock:
+            if self.trial is not None or self._considering:
                 return
-        self.device.events.append({"event": "drift", "what": changed, "at": time.perf_counter()})
-        self.device.log(f"drift: {'; '.join(changed)}: re-profiled and replanned: {new.plan.describe()}")
+            self._considering = True
+            running, down = self.runner, set(self.down)
+        self.background(self._propose, running, down, why, margin)
+
+    def _propose(self, running, down: set[str], why: str, margin: float | None) -> None:
+        """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
+        trial = None
+        try:
+            trial = self.adapt.candidate(running.plan, down, why, margin)
+            if trial is not None:
+                trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
+        except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
+            what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+            self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.describe()}: {what}" if trial
+                                                     else f"no plan: {what}"))
+            trial = None
+        if trial is None:  # not a line: on a busy machine change points come often, and nothing changes
+            self.device.events.append({"event": "kept", "why": why, "at": time.perf_counter()})
+        with self.lock:
+            self._considering = False
+            if trial is not None and self.runner is running:
+                self.trial = trial
+                return
+        if trial is not None:  # the plan changed meanwhile (a failover): this trial is moot
+            trial.runner.close()
+
+    def _decide(self, trial: Trial) -> None:
+        """Switch to the trial's plan if it measured faster, else give its models back; one line either way."""
+        with self.lock:
+            if self.trial is not trial:
+                return
+            self.trial = None
+            old, switched = self.runner, trial.faster
+            if switched:
+                self.runner = trial.runner
+        if switched:
+            self.adapt.live.restart()  # the new plan's samples have a bias of their own
+            self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
+                                       "why": trial.why, "at": time.perf_counter()})
+            self.device.log(f"switch: from {old.plan.describe()} to {trial.plan.describe()}: {trial.why}; "
+                            f"measured {trial.verdict()}")
+            return
+        self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
+                        f"{trial.verdict()}")
+        trial.runner.close()
+
+    def _abandon(self, runner, exc: ServerError) -> bool:
+        """Whether ``runner`` is a trial's: then the trial ends (the frame is run again on the running plan)."""
+        with self.lock:
+            trial = self.trial
+            if trial is None or trial.runner is not runner:
+                return False
+            self.trial = None
+        self.device.log(f"adapt: the trial of {trial.plan.describe()} failed ({exc}); kept the running plan")
+        return True
 
     def waiting_for(self) -> str:
         """What frames in flight wait on, for a give-up message."""

@@ -35,9 +35,10 @@ class RunStopped(UserError):
 def timeline(result: FrameResult, timing: FrameTiming, plan: StagedPlan, offset: float,
              recovered_from: str | None) -> None:
     """Fill ``result``'s breakdown from a runner's ``timing`` of one try that began ``offset`` seconds after
-    the frame: per participant its send, transfer (until it reported its input received, at most what its
-    own times leave), queue, compute and the rest (exchanges, the answer's return); the hand-over to the
-    stitch (``dispatch``), the stitch and the tail. They add up to ``result.latency``."""
+    the frame: per participant (an offloaded frame's server included) its send, transfer (until it reported
+    its input received, at most what its own times leave), queue, compute and the rest (exchanges, the
+    answer's return); the hand-over to the stitch (``dispatch``), the stitch and the tail. They add up to
+    ``result.latency``."""
     result.staged = timing
     result.stitch, result.tail = timing.stitch, timing.tail
     servers = []
@@ -47,12 +48,6 @@ def timeline(result: FrameResult, timing: FrameTiming, plan: StagedPlan, offset:
         transfer = max(0.0, min(s.received - s.send_start, total - s.compute - s.queue))
         servers.append(ServerTiming(s.name, s.antenna, s.band, send, transfer, s.queue,
                                     s.compute, total - transfer - s.queue - s.compute, finish, recovered_from))
-    if timing.server is not None:  # offload: the whole model on one server
-        total = timing.latency
-        transfer = max(0.0, min(timing.sent, total - timing.compute - timing.queue))
-        servers.append(ServerTiming(timing.server, plan.antennas[0], (0, 0), offset, transfer, timing.queue,
-                                    timing.compute, total - transfer - timing.queue - timing.compute,
-                                    offset + total, recovered_from))
     result.servers = servers
     critical = max((t.finish for t in servers), default=offset)
     result.dispatch = max(0.0, result.latency - critical - result.stitch - result.tail)

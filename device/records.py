@@ -40,9 +40,35 @@ class Measurements:
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """Where one server step's time went, as the server reported it with its answer (the wire's
+    ``deepco.StepTimes``, seconds): decoding its input, waiting for peers' rows, for a compute slot, computing,
+    encoding and sending rows on."""
+
+    input: float = 0.0
+    halo: float = 0.0
+    queue: float = 0.0
+    compute: float = 0.0
+    encode: float = 0.0
+    send: float = 0.0
+
+    @classmethod
+    def from_wire(cls, times) -> StepTimes:
+        """From a ``deepco_service_pb2.StepTimes``."""
+        return cls(times.input_seconds, times.halo_seconds, times.queue_seconds, times.compute_seconds,
+                   times.encode_seconds, times.send_seconds)
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return {"input": self.input, "halo": self.halo, "queue": self.queue, "compute": self.compute,
+                "encode": self.encode, "send": self.send}
+
+
+@dataclass(frozen=True)
 class ServerStep:
-    """One participant's part of one split frame as the runner saw it (seconds from the frame's start) and as
-    the server reported it (its own compute, queue and exchange times, messages and bytes)."""
+    """One participant's part of one frame as the runner saw it (seconds from the frame's start) and as the
+    server reported it (its own `StepTimes`, messages and bytes). Split frames have one per participant, an
+    offloaded frame one for its server."""
 
     name: str
     antenna: int
@@ -51,19 +77,22 @@ class ServerStep:
     send_start: float = 0.0
     received: float = 0.0  # the server reported its input received
     finish: float = 0.0  # its result was in
-    compute: float = 0.0
-    exchange_wait: float = 0.0
-    queue: float = 0.0
+    times: StepTimes = StepTimes()
     messages_received: int = 0
     messages_sent: int = 0
     bytes_received: int = 0
     bytes_sent: int = 0
+
+    compute = property(lambda self: self.times.compute, doc="The server's ONNX Runtime seconds.")
+    queue = property(lambda self: self.times.queue, doc="Seconds it waited for a compute slot.")
+    exchange_wait = property(lambda self: self.times.halo, doc="Seconds it waited for peers' rows.")
 
     def to_dict(self) -> dict:
         """JSON form (the --json-log's ``staged.servers`` entries)."""
         return {"name": self.name, "antenna": self.antenna, "rows": list(self.rows), "band": list(self.band),
                 "send_start": self.send_start, "received": self.received, "finish": self.finish,
                 "compute": self.compute, "exchange_wait": self.exchange_wait, "queue": self.queue,
+                "times": self.times.to_dict(),
                 "messages_received": self.messages_received, "messages_sent": self.messages_sent,
                 "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent}
 
@@ -71,9 +100,9 @@ class ServerStep:
 @dataclass(frozen=True)
 class FrameTiming:
     """One frame's timing as a runner measured it (seconds from the frame's start), read by the pipeline's
-    timeline, drift and the JSON log alike. A local frame has ``latency`` and ``compute``; an offloaded one
-    also ``sent``, ``queue`` and ``server``; a split one ``sent``, ``collected``, ``stitch``, ``tail`` and a
-    step per participant (``servers``)."""
+    timeline, live adaptation and the JSON log alike. A local frame has ``latency`` and ``compute``; an
+    offloaded one also ``sent``, ``queue``, ``server`` and its server's step (``servers``); a split one
+    ``sent``, ``collected``, ``stitch``, ``tail`` and a step per participant (``servers``)."""
 
     latency: float
     sent: float = 0.0
@@ -88,12 +117,12 @@ class FrameTiming:
 
     def to_dict(self) -> dict:
         """JSON form (the --json-log's ``staged`` field): the fields of the frame's kind, as they were named."""
-        if self.servers:
+        if self.server is not None:
+            out = {"latency": self.latency, "sent": self.sent, "compute": self.compute, "queue": self.queue,
+                   "server": self.server, "times": self.servers[0].times.to_dict() if self.servers else None}
+        elif self.servers:
             out = {"latency": self.latency, "sent": self.sent, "collected": self.collected, "stitch": self.stitch,
                    "tail": self.tail, "servers": [s.to_dict() for s in self.servers]}
-        elif self.server is not None:
-            out = {"latency": self.latency, "sent": self.sent, "compute": self.compute, "queue": self.queue,
-                   "server": self.server}
         else:
             out = {"latency": self.latency, "compute": self.compute}
         if self.captured is not None:

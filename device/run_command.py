@@ -109,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
             from deepco_device.runners import StagedRunner
 
             results.start()
-            plan, replan, drift, rest = _plan(args, dev, cache, frames(), results.emit)
+            plan, replan, adapt, rest = _plan(args, dev, cache, frames(), results.emit)
             results.predicted = plan.predicted
             if rest is not None:
                 runner = StagedRunner(dev, plan)
                 depth = max(args.depth, runner.frames_at_once)
-                for result in runner.run_frames(rest, depth=depth, replan=replan, give_up=give_up, drift=drift,
+                for result in runner.run_frames(rest, depth=depth, replan=replan, give_up=give_up, adapt=adapt,
                                                 first=results.count):
                     results.emit(result, plan.predicted)
             results.stop()
@@ -147,6 +147,7 @@ class Results:
         self.count += 1
         if self.log_file:
             self.log_file.write(json.dumps(result.log_record(predicted)) + "\n")
+            self.log_file.flush()  # a line per frame as it comes: the log can be followed live
         if result.error is not None:
             self.failures += 1
             print(f"frame {result.index}: ERROR {result.error}", flush=True)
@@ -231,14 +232,16 @@ class _PlanCacheUse:
 
 def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: Iterator[np.ndarray],
           emit: Callable) -> tuple[StagedPlan, Callable, object, Iterator[np.ndarray] | None]:
-    """The plan to run (printed), how failover replans, the drift watch (None: none) and the frames left for
-    it (None: calibration took them all)."""
-    from deepco_device.health import DriftWatch
+    """The plan to run (printed), how failover replans, live adaptation (None: none; auto and the paper's plans
+    adapt, a named or saved plan runs as it is) and the frames left for it (None: calibration took them all)."""
+    from deepco_device.adaptation import Adaptation
     from deepco_device.planner import LiveFrames, StagedPlanner
 
-    if cache is None:  # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+    from deepco.planning.staged import throughput
+
+    if cache is None:  # the paper's plan: failover replans with the same algorithm, and it adapts within it
         print(dev.describe_plan(), flush=True)
-        return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured), source
+        return dev.plan, dev.replan(args.algorithm), Adaptation(dev, dev.replan(args.algorithm)), source
     planner = StagedPlanner(dev)
     rest: Iterator[np.ndarray] | None = source
     if cache.cached is not None:
@@ -257,7 +260,13 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: It
     print(dev.describe_measurements(), flush=True)
     print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, {planner.fps(plan):.2f} fps; "
           f"{dev.pool.bytes_sent() / 1e6:.2f} MB sent to the servers so far", flush=True)
-    return plan, lambda down: planner.best(args.objective, exclude=down), None, rest
+    adapt = None
+    if args.plan is None and args.algorithm == "auto":
+        per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if args.objective == "throughput" \
+            else None  # else the predicted latency
+        adapt = Adaptation(dev, lambda down, rates: planner.plans(args.objective, exclude=down, rates=rates)[0],
+                           seconds=per_frame)
+    return plan, lambda down: planner.best(args.objective, exclude=down), adapt, rest
 
 
 def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:

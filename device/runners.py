@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import grpc
 import numpy as np
 from deepco_device import pipeline
+from deepco_device.adaptation import Adaptation
 from deepco_device.answers import Outputs, check_named_rows, check_outputs, check_rows, output_specs, value_dtype
 from deepco_device.backpressure import while_busy
 from deepco_device.giveup import GiveUp
-from deepco_device.health import DriftWatch, Health
+from deepco_device.health import Health
 from deepco_device.measuring import device_session as _session
 from deepco_device.pipeline import RunStopped
-from deepco_device.records import FrameResult, FrameTiming, ServerStep
+from deepco_device.records import FrameResult, FrameTiming, ServerStep, StepTimes
 
 from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
@@ -139,14 +140,14 @@ class StagedRunner:
     # ---- a stream of frames ---------------------------------------------------------------------------
     def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
                    replan: Callable[[set[str]], StagedPlan] | None = None,
-                   give_up: GiveUp | None = None, drift: DriftWatch | None = None,
+                   give_up: GiveUp | None = None, adapt: Adaptation | None = None,
                    first: int = 0) -> Iterator[FrameResult]:
         """Every input's result in order (numbered from ``first``), ``depth`` frames in flight
         (device.pipeline). A server that fails, or answers wrongly (a tensor that does not fit the plan), is
         left out of a new plan (``replan(down)``) and the frame is run again on it; a frame that fails
         pipeline.MAX_RETRIES times (or with no server left) yields an explicit error. Nothing is lost. Down
-        servers are probed and rejoin; with ``drift`` a server or antenna persistently off the plan is
-        re-profiled and the device replans (device.health).
+        servers are probed and rejoin; with ``adapt`` the run measures its rates from live frames and switches
+        to a plan that measures faster when they change (device.adaptation).
 
         Raises GaveUp (a UserError) when ``give_up`` (default: GiveUp()) says the run has failed for too long,
         after cancelling the calls in flight; a failure of the device's own code or of the frame source is a
@@ -158,7 +159,7 @@ class StagedRunner:
             runner._inflight = inflight  # one set of calls to cancel, whichever runner started them
             return runner
 
-        health = Health(self.device, self, make, replan, self._ready, self._server_of, drift)
+        health = Health(self.device, self, make, replan, self._ready, self._server_of, adapt)
         return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight, first)
 
     def _ready(self, server: str) -> bool:
@@ -210,14 +211,16 @@ class OffloadRunner(StagedRunner):
                 if pause > 0:
                     time.sleep(pause)
             sent = time.perf_counter() - start
-            outputs, compute, queued = handle.result()
+            outputs, wire_times = handle.result()
         finally:
             for call in calls:
                 self._inflight.discard(call)
         what = f"the output of {server}"
         checked = check_outputs(outputs, self.output_specs, what, client.address)
-        return checked, FrameTiming(latency=time.perf_counter() - start, sent=sent, compute=compute, queue=queued,
-                                    server=server)
+        latency, times = time.perf_counter() - start, StepTimes.from_wire(wire_times)
+        step = ServerStep(server, antenna, (0, x.shape[2]), (0, 0), received=sent, finish=latency, times=times)
+        return checked, FrameTiming(latency=latency, sent=sent, compute=times.compute, queue=times.queue,
+                                    server=server, servers=(step,))
 
 
 class RoundRobinRunner(StagedRunner):
@@ -377,7 +380,8 @@ class SplitRunner(StagedRunner):
         began = time.perf_counter()
         y = self.own.run(None, {self.own_input: np.ascontiguousarray(x[:, :, lo:hi, :])})[0]
         crop = plan.crops[1][i]
-        results[i] = (dpb.SplitResult(compute_seconds=time.perf_counter() - began), time.perf_counter() - start)
+        own = dpb.SplitResult(times=dpb.StepTimes(compute_seconds=time.perf_counter() - began))
+        results[i] = (own, time.perf_counter() - start)
         return y[:, :, crop:crop + b - a]
 
     def _collect_all(self, sends: _Sends, start: float, remote: list[int],
@@ -438,8 +442,7 @@ class SplitRunner(StagedRunner):
             steps.append(ServerStep(
                 name=plan.servers[i], antenna=plan.antennas[i], rows=tuple(plan.windows[0][i]),
                 band=tuple(plan.bands[-1][i]), send_start=sends.send_start.get(i, 0.0),
-                received=sends.sent_at.get(i, 0.0), finish=finish, compute=r.compute_seconds,
-                exchange_wait=r.exchange_wait_seconds, queue=r.queue_seconds,
+                received=sends.sent_at.get(i, 0.0), finish=finish, times=StepTimes.from_wire(r.times),
                 messages_received=r.messages_received, messages_sent=r.messages_sent,
                 bytes_received=r.bytes_received, bytes_sent=r.bytes_sent))
         return tuple(steps)
@@ -511,7 +514,7 @@ RUNNERS: dict[str, type[StagedRunner]] = {r.kind: r for r in (LocalRunner, Offlo
 
 def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
     """The segment models (bytes) and the tail (model, bytes; ORT sessions added by the runners) of a chain of
-    levels, extracted once per device: a replan onto the same levels (failover, drift, rejoin) then costs
+    levels, extracted once per device: a replan onto the same levels (failover, a switch, rejoin) then costs
     no model extraction."""
     parts = device.stage_models.get(levels)
     if parts is None:

@@ -10,7 +10,7 @@ analyses it with the exact partitioner, and measures the device, the servers and
 also makes the paper's plan for ``algorithm`` (deepco/planning/paper_plans.py: THREAD's association and
 order, integer rows on the exact cost model, at the cut of least predicted frame time), a StagedPlan that
 the staged runtime executes like every other plan (device/staged.py; frames in flight: device/pipeline.py;
-failover, rejoin, drift: device/health.py).
+failover, rejoin, live adaptation: device/health.py, device/adaptation.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Device:
         self.links = Links(cluster, security, pace)
         self.measurements = Measured(cluster)
         self.down: set[str] = set()  # servers a run found down: not asked to unload on close
-        self.events: list[dict] = []  # down / up / drift, with times (perf_counter): device.health
+        self.events: list[dict] = []  # down / up / change / switch, with times (perf_counter): device.health
         self.plan: StagedPlan | None = None
         self.cut: Cut | None = None
 
@@ -141,23 +141,27 @@ class Device:
         self.measurements.measurements = measured
         self.measurements.compute_scale, self.measurements.step_overhead = compute_scale, step_overhead
 
-    def paper_plan(self, algorithm: str, exclude: Iterable[str] = (), cut: str | None = None) -> StagedPlan:
+    def paper_plan(self, algorithm: str, exclude: Iterable[str] = (), cut: str | None = None,
+                   rates: Rates | None = None) -> StagedPlan:
         """The paper's plan for ``algorithm`` on the servers not in ``exclude``, at ``cut`` (None: the cut of
-        least predicted frame time), as a StagedPlan (deepco.planning.paper_plans)."""
+        least predicted frame time), as a StagedPlan (deepco.planning.paper_plans), on ``rates`` (default: the
+        measured ones)."""
         if algorithm not in ALGORITHMS:
             raise UserError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
-        return paper_plans.paper_plan(self.costs, self.rates(exclude), self.servers(exclude), algorithm, cut)
+        rates = rates or self.rates(exclude)
+        return paper_plans.paper_plan(self.costs, rates, self.servers(exclude), algorithm, cut)
 
     def plan_for(self, algorithm: str) -> StagedPlan:
         """Another algorithm's plan at the chosen cut, on the same measurements (for side-by-side runs)."""
         assert self.cut is not None, "setup() first"
         return self.paper_plan(algorithm, cut=self.cut.name)
 
-    def replan(self, algorithm: str) -> Callable[[set[str]], StagedPlan]:
-        """Failover for a paper plan: the same algorithm at the same cut without the servers that are down."""
+    def replan(self, algorithm: str) -> Callable[..., StagedPlan]:
+        """Failover and live adaptation for a paper plan: ``replan(down, rates=None)`` is the same algorithm at
+        the same cut without the servers that are down (on ``rates``, default: the measured ones)."""
         assert self.cut is not None, "setup() first"
         name = self.cut.name
-        return lambda down: self.paper_plan(algorithm, exclude=down, cut=name)
+        return lambda down, rates=None: self.paper_plan(algorithm, exclude=down, cut=name, rates=rates)
 
     # ---- describing -----------------------------------------------------------------------------------
     def describe_measurements(self) -> str:

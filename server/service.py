@@ -223,11 +223,14 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
     def Run(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
         with _answering("Run", context):
             model = self.state.registry.get(request.model_name, request.model_version, client_identity(context))
+        times = dpb.StepTimes()
         with self.state.statistics.measuring(model) as timer:  # counted in ModelStatistics like ModelInfer
             with _answering("Run", context):
+                began = time.perf_counter()
                 arrays = decode_inputs(request)
                 model.check_inputs(arrays)
                 outputs = model.output_names([o.name for o in request.outputs])
+                times.input_seconds = time.perf_counter() - began
                 timer.lap("compute_input")
             yield dpb.RunEvent(received=dpb.RunReceived())
             timer.lap(None)
@@ -243,8 +246,9 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
                 for name in outputs:
                     add_output(response, name, results[name])
                 timer.lap("compute_output")
-        yield dpb.RunEvent(result=dpb.RunResult(response=response, compute_seconds=done - start,
-                                                queue_seconds=start - queued))
+                times.queue_seconds, times.compute_seconds = start - queued, done - start
+                times.encode_seconds = time.perf_counter() - done
+        yield dpb.RunEvent(result=dpb.RunResult(response=response, times=times))
 
     @_statuses
     def Echo(self, request: dpb.EchoRequest, context: grpc.ServicerContext) -> dpb.EchoResponse:
@@ -284,12 +288,15 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         with _answering("SplitRun", context):
             if self.state.draining.is_set():
                 raise Unavailable("server is shutting down")
+            began = time.perf_counter()
             job = parse_request(request, self.state.registry, client_identity(context), self.state.peers)
             self.split_jobs.mailboxes.claim(job.id, job.threads)
+            decoded = time.perf_counter() - began
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())
             with _answering("SplitRun", context):
                 result = self.split_jobs.run(job, context.is_active)
+                result.times.input_seconds = decoded
             yield dpb.RunEvent(split_result=result)
         finally:
             self.split_jobs.mailboxes.drop(job.id)

@@ -479,8 +479,10 @@ class SplitJobs:
                 for peer, (a, b) in job.sends(level).items():
                     if peer not in outgoing:
                         outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total)
+                    encoding = time.perf_counter()
                     piece = np.ascontiguousarray(band[:, :, a - own[0]:b - own[0]])
                     message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level, rows=encode_rows(piece, a))
+                    result.times.encode_seconds += time.perf_counter() - encoding
                     outgoing[peer].send(message)
                     result.messages_sent += 1
                     result.bytes_sent += piece.nbytes
@@ -494,7 +496,7 @@ class SplitJobs:
                 waited = time.perf_counter()
                 for peer, rows in job.receives(level).items():
                     pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, active, result)))
-                result.exchange_wait_seconds += time.perf_counter() - waited
+                result.times.halo_seconds += time.perf_counter() - waited
                 pieces.sort(key=lambda p: p[0])
                 window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
                 if window.shape[2] != hi - lo:
@@ -504,8 +506,8 @@ class SplitJobs:
                 with self.state.admission.waiting(job.timeout):
                     started = time.perf_counter()
                     output = model.run({model.inputs[0].name: window}, [model.outputs[0].name])
-                    result.compute_seconds += time.perf_counter() - started
-                result.queue_seconds += started - queued
+                    result.times.compute_seconds += time.perf_counter() - started
+                result.times.queue_seconds += started - queued
                 y = output[model.outputs[0].name]
                 crop = job.crops[j][job.me]
                 a, b = job.bands[j][job.me]
@@ -514,13 +516,15 @@ class SplitJobs:
                                   f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
                 band = y[:, :, crop:crop + b - a]
             if job.gather_to is None:
-                result.output.CopyFrom(encode_rows(np.ascontiguousarray(band), job.bands[-1][job.me][0]))
+                self._answer(result, band, job.bands[-1][job.me][0])
             elif job.gather_to != job.me:
                 self._send_band(job, band, outgoing, result, deadline_total)
             else:
                 result.outputs.extend(self._gather_and_finish(job, band, outgoing, result, active))
+            sending = time.perf_counter()
             for out in outgoing.values():
                 out.finish(job.timeout)
+            result.times.send_seconds += time.perf_counter() - sending
             ok = True
             return result
         finally:
@@ -537,15 +541,24 @@ class SplitJobs:
         with self.state.admission.waiting(job.timeout):
             started = time.perf_counter()
             output = model.run({model.inputs[0].name: job.image}, [name for name, _, _ in job.tensors])
-            result.compute_seconds += time.perf_counter() - started
-        result.queue_seconds += started - queued
+            result.times.compute_seconds += time.perf_counter() - started
+        result.times.queue_seconds += started - queued
+        encoding = time.perf_counter()
         for name, owned, crop in job.tensors:
             y, (a, b), c = output[name], owned[job.me], crop[job.me]
             if y.ndim != 4 or c + (b - a) > y.shape[2]:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {list(y.shape)} for {name[:80]!r}; "
                               f"crop {c} + band {b - a} does not fit")
             result.outputs.add(name=name, rows=encode_rows(np.ascontiguousarray(y[:, :, c:c + b - a]), a))
+        result.times.encode_seconds += time.perf_counter() - encoding
         return result
+
+    @staticmethod
+    def _answer(result: dpb.SplitResult, rows: np.ndarray, start: int) -> None:
+        """Put ``rows`` (starting at row ``start``) into the answer to the device, timed as encoding."""
+        encoding = time.perf_counter()
+        result.output.CopyFrom(encode_rows(np.ascontiguousarray(rows), start))
+        result.times.encode_seconds += time.perf_counter() - encoding
 
     def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.SplitResult,
                    deadline: float) -> None:
@@ -553,9 +566,12 @@ class SplitJobs:
         peer, last = job.gather_to, len(job.models)
         if peer not in outgoing:
             outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline)
+        encoding = time.perf_counter()
         piece = np.ascontiguousarray(band)
-        outgoing[peer].send(dpb.RowsMessage(job_id=job.id, sender=job.me, level=last,
-                                            rows=encode_rows(piece, job.bands[-1][job.me][0])))
+        message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last,
+                                  rows=encode_rows(piece, job.bands[-1][job.me][0]))
+        result.times.encode_seconds += time.perf_counter() - encoding
+        outgoing[peer].send(message)
         result.messages_sent += 1
         result.bytes_sent += piece.nbytes
 
@@ -570,7 +586,7 @@ class SplitJobs:
             if peer != job.me:
                 rows = job.bands[-1][peer]
                 pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result)))
-        result.exchange_wait_seconds += time.perf_counter() - waited
+        result.times.halo_seconds += time.perf_counter() - waited
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
         tail = job.tail
@@ -579,8 +595,8 @@ class SplitJobs:
             started = time.perf_counter()
             tail.check_inputs({tail.inputs[0].name: whole})
             outputs = tail.run({tail.inputs[0].name: whole}, [o.name for o in tail.outputs])
-            result.compute_seconds += time.perf_counter() - started
-        result.queue_seconds += started - queued
+            result.times.compute_seconds += time.perf_counter() - started
+        result.times.queue_seconds += started - queued
         try:
             return named_rows(outputs)
         except ValueError as exc:

@@ -41,3 +41,16 @@ def test_a_plot_that_cannot_be_written_is_a_one_line_error(tmp_path):
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
     with pytest.raises(UserError, match="cannot write the plot"):
         bench_command.plot(document, str(tmp_path / "no-such-folder" / "sweep.png"))
+
+
+def test_frames_until_adapted_is_the_first_frame_from_which_every_ten_stay_within_15_percent():
+    from deepco_bench.scenarios import frames_until_adapted
+
+    fresh = 0.100
+    # 8 slow frames after the change: the windows of ten from frames 0..3 hold 5+ slow ones (their p50 is slow,
+    # or halfway), from frame 4 on at most 4 of ten are and the p50 is the fresh level's; a later hiccup moves
+    # nothing
+    after = [0.400] * 8 + [0.105] * 20 + [0.900] + [0.098] * 15
+    assert frames_until_adapted(after, fresh) == 4
+    assert frames_until_adapted([0.400] * 30, fresh) is None  # never adapted within the phase
+    assert frames_until_adapted([0.400] * 8 + [0.105] * 20 + [0.400] * 12, fresh) is None  # and fell back

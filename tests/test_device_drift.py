@@ -1,4 +1,5 @@
-"""Online re-profiling on the emulated testbed: a server that slows down mid-run gets fewer rows."""
+"""Live adaptation on the emulated testbed: a server that slows down mid-run gets fewer rows (the paper's plan
+adapts within its own algorithm)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_a_server_that_slows_down_is_replanned_around(tmp_path):
         out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err + out
     assert slowed_at < frames - 30
-    assert "drift: server s0" in out and "replanned" in out
+    switches = [line for line in out.splitlines() if line.startswith("switch: ")]  # one line: from, to, why
+    assert switches and "server s0" in switches[0] and "slower" in switches[0], out
     records = logged()
     assert len(records) == frames and all(r["error"] is None for r in records)
 

@@ -145,7 +145,10 @@ def test_a_server_that_comes_back_rejoins_the_plan(tmp_path, model):
         stack.callback(again.kill)
         assert "listening" in again.stdout.readline()
         out.wait_for(lambda line: "server flaky is back" in line, timeout=120)
-        for _ in range(20):  # frames on the plan it rejoined
+        # it joins through live adaptation: the plan with it is tried on live frames, and switched to if faster
+        verdict = out.wait_for(lambda line: line.startswith(("switch: ", "kept ")) and "flaky back" in line
+                               or line.startswith("adapt: the trial"), timeout=120)
+        for _ in range(5):  # frames after the trial
             out.wait_for(lambda line: line.startswith("frame "), timeout=120)
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=60) == 130, run.stderr.read()
@@ -153,4 +156,10 @@ def test_a_server_that_comes_back_rejoins_the_plan(tmp_path, model):
     records = lines(log)
     assert [r["frame"] for r in records] == list(range(len(records))) and len(records) >= 30
     assert all(r["error"] is None for r in records)
-    assert "flaky" in {s["name"] for s in records[-1]["servers"]}  # the last frames use it again
+    back = next(k for k, line in enumerate(out.seen) if "server flaky is back" in line)
+    after = [int(line.split()[1].rstrip(":")) for line in out.seen[back:] if line.startswith("frame ")]
+    tried = [r for r in records if r["frame"] >= after[0] and "flaky" in {s["name"] for s in r["servers"]}]
+    assert verdict.startswith(("switch: ", "kept ")), verdict  # the trial ran (no failure) and was decided
+    assert len(tried) >= 3  # frames ran on the plan with it: the trial's, and with a switch every one since
+    if verdict.startswith("switch: "):
+        assert "flaky" in {s["name"] for s in records[-1]["servers"]}

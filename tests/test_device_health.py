@@ -1,22 +1,18 @@
 """The device's health logic without servers: failover replans once per failure without the failed server,
-liars are never probed back, and drift rescales a rate only when it stays off the plan."""
+liars are never probed back, and a server back joins through a trial of the plan with it."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import grpc
-import pytest
-from deepco_device.health import DriftWatch, Health
-from deepco_device.records import FrameTiming, Measurements, ServerStep
+from deepco_device.adaptation import Trial
+from deepco_device.health import Health
+from deepco_device.records import FrameTiming
 
-from deepco.partition import Partitioner, load_model
-from deepco.partition.pixels import with_pixel_input
 from deepco.planning.plan import PlanningError
-from deepco.planning.staged import CostModel, StagedPlan
+from deepco.planning.staged import StagedPlan
 from deepco.wire.client import ServerError, WrongAnswer
-
-H, W = 192, 64
 
 
 class FakeDevice:
@@ -79,31 +75,33 @@ def test_a_server_that_answers_again_rejoins_with_a_replan():
     assert device.down == set() and "server s1 is back" in device.lines[-1]
 
 
-@pytest.fixture(scope="module")
-def costs() -> CostModel:
-    model = with_pixel_input(load_model("resnet18", H, W), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    return CostModel(Partitioner(model, H, W), 3 * H * W, 4000)
+def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so():
+    health, device, calls, first = make_health(["s0", "s1", "s2"])
+    tried = []
 
+    class Adapt:  # live adaptation's answer: the plan with every server that is up, on trial
+        live = SimpleNamespace(restart=lambda: None)
 
-def test_drift_rescales_a_server_only_after_five_frames_off_the_plan(costs):
-    measured = Measurements({"s0": 2e9, "s1": 2e9}, [1e6], 0.001, 1e8, paced=True)
-    band = [(0, 24), (24, 48)]
-    window = [costs.window(None, "layer1", a, b).input_rows for a, b in band]
-    plan = StagedPlan("equal", "split", servers=["s0", "s1"], antennas=[0, 0], order=[0, 1], levels=["layer1"],
-                      bands=[[(0, 96), (96, H)], band], windows=[window, window], crops=[[], [0, 0]])
-    planned = [costs.window(None, "layer1", a, b).flops / 2e9 for a, b in band]
-    watch = DriftWatch(costs, measured)
+        def candidate(self, running, down, why, margin=None):
+            tried.append(set(down))
+            return Trial(plan_on([s for s in ["s0", "s1", "s2"] if s not in down]), why)
 
-    def timing(slow: float) -> FrameTiming:
-        return FrameTiming(latency=1.0, servers=tuple(
-            ServerStep(s, 0, band[i], band[i], compute=planned[i] * (slow if s == "s0" else 1.0))
-            for i, s in enumerate(["s0", "s1"])))
-
-    for _ in range(4):
-        assert watch.observe(plan, timing(3.0)) == []
-    assert watch.observe(plan, timing(1.2)) == []  # one frame within 50%: the run of five starts again
-    for _ in range(4):
-        assert watch.observe(plan, timing(3.0)) == []
-    changed = watch.observe(plan, timing(3.0))
-    assert changed == ["server s0 at 3.00x the planned time"]
-    assert measured.server_flops_per_second == pytest.approx({"s0": 2e9 / 3, "s1": 2e9})
+    health.adapt = Adapt()
+    health.background = lambda fn, *args: fn(*args)  # the trial's runner is made here, not on a thread
+    health.failed(first, ServerError("addr-s1", grpc.StatusCode.UNAVAILABLE, "gone"))
+    running = health.current()
+    assert running.plan.servers == ["s0", "s2"]
+    health._probed = 0.0
+    health.rejoin()
+    assert calls == [{"s1"}] and tried == [set()] and "server s1 is back" in device.lines[-1]
+    assert health.current() is running  # not switched yet: the candidate is tried first
+    ran = {"running": 0, "trial": 0}
+    for _ in range(6):  # every other frame on the candidate, which is faster
+        runner = health.current()
+        on_trial = runner is not running
+        ran["trial" if on_trial else "running"] += 1
+        health.observe(runner, FrameTiming(latency=0.01 if on_trial else 0.02))
+    assert ran == {"running": 3, "trial": 3}
+    assert health.current().plan.servers == ["s0", "s1", "s2"]
+    assert device.lines[-1].startswith("switch: from equal: split over s0 (antenna 0), s2 (antenna 0)")
+    assert "s1 back" in device.lines[-1] and "10.0 ms against 20.0 ms" in device.lines[-1]

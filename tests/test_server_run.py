@@ -29,9 +29,12 @@ def client() -> Iterator[InferenceClient]:
 
 def test_run_returns_the_model_output_and_the_server_compute_time(client):
     x = np.random.default_rng(1).standard_normal((1, 3, 37, 23)).astype(np.float32)
-    outputs, compute, queued = client.start_run("conv", {"input": x}).result()
+    outputs, times = client.start_run("conv", {"input": x}).result()
+    compute, queued = times.compute_seconds, times.queue_seconds
     np.testing.assert_allclose(next(iter(outputs.values())), reference(MODEL, x), rtol=1e-5, atol=1e-5)
     assert 0 < compute < 5 and queued >= 0
+    # the step's other parts are the server's own measurements too: decoding its input, encoding its answer
+    assert times.input_seconds > 0 and times.encode_seconds > 0 and times.halo_seconds == times.send_seconds == 0
 
 
 def test_received_comes_before_the_compute_is_done(client):
@@ -39,7 +42,7 @@ def test_received_comes_before_the_compute_is_done(client):
     start = time.perf_counter()
     handle = client.start_run("heavy", {"input": x})
     received = time.perf_counter() - start
-    _, compute, _ = handle.result()
+    compute = handle.result()[1].compute_seconds
     total = time.perf_counter() - start
     assert compute > 0.3  # the heavy model really computes for a while ...
     assert received < total - 0.8 * compute  # ... and the device heard "received" before it was done
@@ -49,8 +52,8 @@ def test_a_pipelined_slice_waits_for_the_compute_slot_instead_of_failing(client)
     x = np.zeros(HEAVY_SHAPE, np.float32)
     first = client.start_run("heavy", {"input": x})
     second = client.start_run("heavy", {"input": x})  # max_inflight=1: must queue, not be refused
-    _, compute1, _ = first.result()
-    _, _, queued2 = second.result()
+    compute1 = first.result()[1].compute_seconds
+    queued2 = second.result()[1].queue_seconds
     assert queued2 > 0.5 * compute1
 
 
@@ -77,7 +80,7 @@ def test_concurrent_runs_from_threads_all_complete(client):
 
     def go():
         try:
-            out, _, _ = client.start_run("conv", {"input": x}).result()
+            out, _ = client.start_run("conv", {"input": x}).result()
             np.testing.assert_allclose(next(iter(out.values())), want, rtol=1e-5, atol=1e-5)
         except BaseException as exc:  # collected and re-raised in the main thread
             errors.append(exc)

@@ -31,9 +31,8 @@ from deepco.planning.staged import same_plan
 from deepco.plots import save_figure
 from deepco_bench.benchmark import GO, LOADED
 from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
+from deepco_bench.testbed_servers import shares_for, start_servers
 
-DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the issue's heterogeneous servers, fractions of one core
-PORT = 50051
 SWEEPS = {
     "bandwidth": [25.0, 50.0, 100.0, 200.0, 400.0],
     "capacity": [0.5, 0.75, 1.0, 1.5, 2.0],  # multiplies every server's CPU share
@@ -85,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", choices=list(SWEEPS), default=None,
                    help="repeat over a range: bandwidth 25..400 Mbit/s, capacity x0.5..x2 (every server's CPU "
                         "share), antennas 1..4, servers 1..4 (default: one point)")
+    p.add_argument("--scenario", choices=["bandwidth-drop", "server-slowdown"], default=None,
+                   help="instead of a table: change the emulated network in the middle of a run of auto (every "
+                        "antenna to a tenth, or the busiest server to a quarter of its CPU share) and report each "
+                        "phase and the frames until adapted (needs the kernel emulation; default: none)")
+    p.add_argument("--phase-frames", type=int, default=60,
+                   help="--scenario: frames before the change and after it (default 60)")
     p.add_argument("--json", metavar="FILE",
                    help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of measured and predicted latency (default: none)")
@@ -103,20 +108,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def shares_for(args: argparse.Namespace, servers: int, scale: float = 1.0) -> list[float]:
-    """Each server's CPU share."""
-    if args.shares:
-        try:
-            shares = [float(v) for v in args.shares.split(",")]
-        except ValueError:
-            raise UserError(f"--shares must be numbers, got {args.shares!r}") from None
-    else:
-        shares = [DEFAULT_SHARES[k % len(DEFAULT_SHARES)] for k in range(servers)]
-    if len(shares) < servers:
-        raise UserError(f"--shares gives {len(shares)} shares for {servers} servers")
-    return [round(s * scale, 3) for s in shares[:servers]]
-
-
 def peer_bandwidth(text: str, antenna_mbps: float) -> float | None:
     """--peer-bandwidth: Mbit/s, 'same' (as the antennas) or 'lan' (None: unshaped)."""
     if text == "same":
@@ -130,18 +121,6 @@ def peer_bandwidth(text: str, antenna_mbps: float) -> float | None:
     if value <= 0:
         raise UserError(f"--peer-bandwidth must be positive, got {text!r}")
     return value
-
-
-def write_cluster(path: Path, tb: Testbed, ports: list[int], bandwidth: float) -> Path:
-    """The cluster file the device reads: every server's address on every antenna."""
-    antennas = len(tb.spec.antenna_mbps)
-    lines = ["[device]", f"antennas = {antennas}", f"bandwidth = {bandwidth}", ""]
-    for k, server in enumerate(tb.spec.servers):
-        addresses = ", ".join(f'"{tb.server_host(k, m)}:{ports[k]}"' for m in range(antennas))
-        lines += ["[[servers]]", f'name = "{server.name}"', f"capacity = {server.cpu or 1.0}",
-                  f"antenna_addresses = [{addresses}]", ""]
-    path.write_text("\n".join(lines))
-    return path
 
 
 def _device_quota_after_loading(tb: Testbed, proc: subprocess.Popen, timeout: float) -> float | None:
@@ -172,23 +151,7 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
                        device_cpu=args.device_share, peer_mbps=peer_bandwidth(args.peer_bandwidth, bandwidth))
     with Testbed(spec, force_fallback=args.fallback, defer_cpu_limits=True) as tb:
         print(tb.label, flush=True)
-        ports = [PORT if tb.kernel else PORT + k for k in range(servers)]
-        host = "0.0.0.0" if tb.kernel else "127.0.0.1"
-        # --peers: server-to-server exchanges cross the namespaces' (non-loopback) addresses.
-        peers = ",".join(f"{tb.server_host(k, 0)}:{ports[k]}" for k in range(servers))
-        serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64",
-                 "--max-inflight", "8",  # room for two pipelined frames' jobs (each holds a thread per feeder)
-                 "--peers", peers]
-        logs = [(workdir / f"server-{k}.log").open("w") for k in range(servers)]
-        procs = [tb.spawn([*serve, "--port", str(ports[k])], server=k, stdout=subprocess.PIPE,
-                          stderr=logs[k], text=True) for k in range(servers)]
-        for k, proc in enumerate(procs):
-            line = proc.stdout.readline()
-            if "listening" not in line:
-                raise UserError(f"server s{k} did not start in the testbed (it printed {line.strip()!r})")
-        tb.apply_cpu_limits(device=False)  # only now: start-up at a tenth of a core would take a while
-        cluster = write_cluster(workdir / f"cluster-{servers}-{antennas}-{bandwidth:g}-{scale:g}.toml", tb, ports,
-                                bandwidth)
+        cluster, logs = start_servers(tb, workdir, f"{servers}-{antennas}-{bandwidth:g}-{scale:g}")
         out = workdir / "point.json"
         worker = [sys.executable, "-m", "deepco_bench.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
@@ -390,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--depth must be at least 2: the throughput run pipelines frames")
     modelcard.from_args(args.model, args)  # a bad preprocessing flag or card fails before any testbed is built
     parse_size(args.input_size)  # and so does a bad size, which the device process would only refuse later
+    if args.scenario is not None:
+        return _scenario(args)
     started = time.perf_counter()
     values: list = [None] if args.sweep is None else SWEEPS[args.sweep]
     points = []
@@ -424,3 +389,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench: {len(points)} point(s) x {args.repeat} repeat(s) in {document['seconds']:.0f} s", flush=True)
     bad = [v for p in points for v in violations(p)]
     return 3 if bad else 0
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    """`--scenario`: run it (deepco_bench.scenarios), print its report, write JSON and a plot if asked."""
+    from deepco_bench import scenarios
+
+    if args.phase_frames < 2 * scenarios.ADAPTED_WINDOW:
+        raise UserError(f"--phase-frames must be at least {2 * scenarios.ADAPTED_WINDOW}, got {args.phase_frames}")
+    with tempfile.TemporaryDirectory(prefix="deepco-scenario-") as tmp:
+        result = scenarios.run_scenario(args, Path(tmp))
+    print(scenarios.report(result), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        scenarios.plot(result, args.plot)
+    return 0 if result["lost"] == 0 and result["in_order"] else 1

@@ -336,6 +336,22 @@ class Testbed:
             raise TestbedError(f"testbed: cannot emulate a {self.spec.delay_ms:g} ms delay: this kernel has no "
                                f"netem qdisc ({result.stderr.strip()}); run without a delay")
 
+    def set_antennas(self, mbps: float) -> None:
+        """Change every antenna's bandwidth, both directions, while processes run (`deepco bench --scenario`)."""
+        if not self.kernel:
+            raise TestbedError("testbed: changing an antenna's bandwidth mid-run needs the kernel emulation")
+        tbf = ["tbf", "rate", f"{mbps}mbit", "burst", "64kb", "latency", "400ms"]
+        handle = ["handle", "1:"] if self.spec.delay_ms > 0 else []
+        for m in range(len(self.spec.antenna_mbps)):
+            for ns, dev in ((self.device_ns, f"ant{m}"), (self.antenna_ns(m), "uplink")):
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root", *handle, *tbf)
+
+    def set_server_cpu(self, k: int, cpu: float) -> None:
+        """Change server k's CPU share while it runs (`deepco bench --scenario`)."""
+        if not self.kernel:
+            raise TestbedError("testbed: changing a server's CPU share mid-run needs the kernel emulation")
+        self._make_cgroup(f"s{k}", cpu)
+
     def apply_cpu_limits(self, device: bool = True) -> None:
         """Set every server's CPU quota, and with ``device`` the device's (after a deferred start)."""
         if self.kernel:

@@ -73,15 +73,15 @@ class RunHandle:
     events: Any  # the rest of the Run response stream
     watchdog: threading.Timer | None = None  # cancels the call if it outlives its deadline
 
-    def result(self) -> tuple[dict[str, np.ndarray], float, float]:
-        """(outputs by name, the server's compute seconds, seconds it queued for a compute slot)."""
+    def result(self) -> tuple[dict[str, np.ndarray], dpb.StepTimes]:
+        """(outputs by name, the server's own times of the step: queue, compute, ... (`StepTimes`))."""
         try:
             return self._result()
         finally:
             if self.watchdog is not None:
                 self.watchdog.cancel()
 
-    def _result(self) -> tuple[dict[str, np.ndarray], float, float]:
+    def _result(self) -> tuple[dict[str, np.ndarray], dpb.StepTimes]:
         try:
             event = next(self.events)
         except grpc.RpcError as exc:
@@ -95,7 +95,7 @@ class RunHandle:
             outputs = decode_outputs(result.response)
         except TensorError as exc:
             raise WrongAnswer(self.client.address, str(exc)) from None
-        return outputs, result.compute_seconds, result.queue_seconds
+        return outputs, result.times
 
 
 class SplitJob:

@@ -1,0 +1,170 @@
+"""Current rates from live frames: an online estimator with change-point detection.
+
+Setup measures every rate once (a server's FLOP/s, an antenna's bytes/s, the device's FLOP/s); a run then sees
+each of them again in every frame, as the time a piece of work took against the time setup's rate gives it.
+That ratio (a *slowness*: 1 is as measured, 4 is four times slower) is noisy, and it carries a bias of its
+own per plan (one plan's segments run at a different FLOP rate than another's), so the estimator does not
+take its level as the rate. It watches each rate's stream of ratios for a **change point** instead, with a
+two-window median test:
+
+- the *recent* window is the last ``window`` samples, the *reference* the samples before them since the last
+  change (at least ``REFERENCE`` of them, at most ``history``);
+- a change is declared when every recent sample lies beyond the reference's range (less its most extreme
+  sample either way), the same way, by more than ``threshold`` (relative): frames that share a server, or a
+  busy machine, make samples bimodal, and a change must stand out of that noise; the recent samples become
+  the new reference, and the rate is rescaled by the recent median over the first reference median of the
+  plan (one origin: small errors cannot add up).
+
+A single outlier never makes every recent sample agree, and a real step has after ``window`` samples of the
+new level: a change is seen at its ``window``-th sample, while a long moving average would take tens of frames
+to move that far. The bias of a plan cancels in the ratio of two medians of the same plan, which is why
+`LiveRates.restart` starts every stream again (from the factors found so far) when the plan changes.
+
+Pure: no clocks, no threads; the device feeds it (device/health.py) and plans on `LiveRates.rates`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+from deepco.planning.staged import Rates
+
+WINDOW = 3  # recent samples tested against the reference
+HISTORY = 15  # reference samples kept
+THRESHOLD = 0.35  # every recent sample 35% beyond the reference's range, the same way, is a change point
+REFERENCE = 5  # reference samples needed before a test
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change point: the rate ``key`` (e.g. ``server s0``, ``antenna 1``, ``device``) is now ``factor`` times
+    slower than before it (below 1: faster)."""
+
+    key: str
+    factor: float
+
+    def describe(self) -> str:
+        """E.g. ``server s0 3.1x slower``."""
+        if self.factor >= 1:
+            return f"{self.key} {self.factor:.2f}x slower"
+        return f"{self.key} {1 / self.factor:.2f}x faster"
+
+
+class ChangeDetector:
+    """The two-window median test on one stream of samples (see the module doc)."""
+
+    def __init__(self, window: int = WINDOW, history: int = HISTORY, threshold: float = THRESHOLD):
+        if window < 1 or history < window or threshold <= 0:
+            raise ValueError("window >= 1, history >= window and threshold > 0")
+        self.window, self.history, self.threshold = window, history, threshold
+        self.samples: list[float] = []  # since the last change point (the reference, then the recent window)
+        self.origin: float | None = None  # the first reference median since `clear`: the level 1 is measured from
+        self.level = 1.0  # the current level against ``origin`` (moved at each change point)
+
+    def add(self, sample: float) -> float | None:
+        """Feed one sample (> 0); the ratio of the new median to the old one when this sample completes a change
+        point, else None. ``level`` is then the new median over ``origin``: measured from one origin, not a
+        product of steps, so that a run of small errors cannot add up."""
+        if not sample > 0 or not math.isfinite(sample):
+            return None
+        self.samples.append(sample)
+        del self.samples[:-(self.history + self.window)]
+        logs = [math.log(x) for x in self.samples]
+        if self.origin is None and len(logs) >= self.window + REFERENCE:
+            self.origin = math.exp(statistics.median(logs[:-self.window]))
+        k = self._changed(logs)
+        if k is None:
+            return None
+        recent, reference = statistics.median(logs[-k:]), statistics.median(logs[:-k])
+        self.samples = self.samples[-k:]
+        self.level = math.exp(recent) / (self.origin or math.exp(reference))
+        return math.exp(recent - reference)
+
+    def _changed(self, logs: list[float]) -> int | None:
+        """How many of the last samples make a change point against those before them (None: no change).
+
+        The last ``window`` samples are tested against a reference of at least REFERENCE; a longer run of new
+        samples (a change that came soon after the last one) against a shorter reference of at least ``window``.
+        Every sample of the run must lie beyond the reference's range, but its one most extreme sample either
+        way, by the threshold and on the same side."""
+        bar = math.log1p(self.threshold)
+        for k in range(self.window, len(logs) - self.window + 1):
+            if len(logs) - k < (REFERENCE if k == self.window else self.window):
+                continue
+            ordered = sorted(logs[:-k])
+            low, high = ordered[1], ordered[-2]
+            run = logs[-k:]
+            if all(x > high + bar for x in run) or all(x < low - bar for x in run):
+                return k
+        return None
+
+    def clear(self) -> None:
+        """Forget the samples and the origin (a new plan: its own bias); the level starts again at 1."""
+        self.samples.clear()
+        self.origin, self.level = None, 1.0
+
+
+class LiveRates:
+    """Every rate's slowness factor against setup's measurement, moved at each change point (module doc)."""
+
+    def __init__(self, window: int = WINDOW, history: int = HISTORY, threshold: float = THRESHOLD):
+        self.window, self.history, self.threshold = window, history, threshold
+        self.factors: dict[str, float] = {}  # key -> times slower than setup measured (absent: 1)
+        self._detectors: dict[str, ChangeDetector] = {}
+        self._before: dict[str, float] = {}  # the factors at the last restart: each detector's level multiplies them
+
+    def observe(self, samples: dict[str, float]) -> list[Change]:
+        """Feed one frame's samples (key -> seconds taken / seconds setup's rate gives); the change points they
+        complete."""
+        changes = []
+        for key, sample in samples.items():
+            detector = self._detectors.setdefault(key, ChangeDetector(self.window, self.history, self.threshold))
+            factor = detector.add(sample)
+            if factor is not None:
+                self.factors[key] = self._before.get(key, 1.0) * detector.level
+                changes.append(Change(key, factor))
+        return changes
+
+    def restart(self) -> None:
+        """A new plan runs: its samples have a bias of their own, so every stream starts a new reference (the
+        factors found so far are kept)."""
+        self._before = dict(self.factors)
+        for detector in self._detectors.values():
+            detector.clear()
+
+    def factor(self, key: str) -> float:
+        """How many times slower than setup measured ``key`` is now."""
+        return self.factors.get(key, 1.0)
+
+    def rates(self, base: Rates) -> Rates:
+        """``base`` (setup's rates, with calibration's fit) with every rate divided by its factor."""
+        servers = {name: rate / self.factor(f"server {name}") for name, rate in base.server_flops_per_second.items()}
+        antennas = [rate / self.factor(f"antenna {m}") for m, rate in enumerate(base.antenna_bytes_per_second)]
+        return replace(base, server_flops_per_second=servers, antenna_bytes_per_second=antennas,
+                       device_flops_per_second=base.device_flops_per_second / self.factor("device"))
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one participant of a plan does per frame: FLOPs it computes, image bytes it is sent."""
+
+    flops: float
+    sent_bytes: int
+
+
+def work_of(plan, costs) -> list[Work]:
+    """Per participant of ``plan`` (a StagedPlan; its servers in order, an offload's one server), its work:
+    every segment of its band, and the tail where it runs it; a plan without servers has none."""
+    if not plan.levels:  # local, offload, round-robin: the whole model where it runs
+        return [Work(costs.total_flops, costs.input_bytes) for _ in plan.servers]
+    names: list[str | None] = [None, *plan.levels]
+    out = []
+    for i, server in enumerate(plan.servers):
+        flops = sum(costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
+        if plan.tail == server:
+            flops += costs.tail_flops(plan.levels[-1])
+        a, b = plan.windows[0][i]
+        out.append(Work(flops, (b - a) * costs.row_bytes(None)))
+    return out

@@ -1,0 +1,150 @@
+"""Live adaptation: every plan keeps measuring while it runs, and the device moves to a better plan without
+losing a frame.
+
+- **Measuring.** Each frame's timing (device/records.py: the servers' own `StepTimes` and the device's
+  send times) becomes one sample per rate: a server's compute, an antenna's transfer (not when paced: pacing
+  makes it exact), the device's own compute (local, or the tail on the device), each as seconds taken over
+  seconds setup's rate gives. `deepco.planning.live_rates.LiveRates` watches them for change points.
+- **Re-planning.** On a change point (or a server back from down), ``propose(down, rates)`` makes the plan
+  the cost model prefers on the current rates (auto: the staged planner's best; a paper plan: the same
+  algorithm). A candidate predicted faster than the running plan by more than ``margin`` is a `Trial`:
+  its models are uploaded in the background (frames go on meanwhile), then every other frame runs on it
+  until ``frames`` frames have run on each; the device switches if its median latency is lower. Frames are
+  never held back nor blank, and the pipeline yields them in order whatever plan ran them
+  (device/pipeline.py), so a switch loses, duplicates and reorders none.
+
+The runners themselves are health's (device/health.py): this module says what to try and when it is better.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from deepco_device.records import FrameTiming
+
+from deepco.planning.live_rates import Change, LiveRates, work_of
+from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, same_plan
+
+if TYPE_CHECKING:
+    from deepco_device.session import Device
+
+MIN_SAMPLE_SECONDS = 1e-3  # work setup's rates give less time than this is all overhead and jitter: no sample
+MARGIN = 0.15  # a candidate is tried when the cost model predicts it this much (15%) faster than the running plan
+TRIAL_FRAMES = 3  # frames a candidate runs, and frames of the running plan it is compared with
+
+
+@dataclass
+class Trial:
+    """A candidate plan on trial: its runner (made, its models on the servers, before the trial starts), and the
+    latencies of the frames it ran and of the running plan's frames interleaved with them."""
+
+    plan: StagedPlan
+    why: str
+    frames: int = TRIAL_FRAMES
+    runner: Any = None
+    tried: list[float] = field(default_factory=list)
+    running: list[float] = field(default_factory=list)
+    _dealt: int = 0
+    _turn: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def takes_frame(self) -> bool:
+        """Whether the next frame runs on the candidate: every other frame, ``frames`` of them."""
+        with self._lock:
+            if self._dealt >= self.frames:
+                return False
+            self._turn += 1
+            if self._turn % 2:
+                return False
+            self._dealt += 1
+            return True
+
+    def record(self, on_trial: bool, latency: float) -> None:
+        """A frame of the candidate (``on_trial``) or of the running plan finished in ``latency`` seconds."""
+        with self._lock:
+            (self.tried if on_trial else self.running).append(latency)
+
+    @property
+    def decided(self) -> bool:
+        """Whether enough frames of both have run."""
+        return len(self.tried) >= self.frames and len(self.running) >= self.frames
+
+    @property
+    def faster(self) -> bool:
+        """Whether the candidate measured faster (median latency)."""
+        return statistics.median(self.tried) < statistics.median(self.running)
+
+    def verdict(self) -> str:
+        """E.g. ``12.0 ms against 20.1 ms over 3 frames each``."""
+        return (f"{statistics.median(self.tried) * 1e3:.1f} ms against {statistics.median(self.running) * 1e3:.1f} ms "
+                f"over {len(self.tried)} frames each")
+
+
+class Adaptation:
+    """The live rates of a device's run and the plans they suggest (see the module doc). ``propose(down, rates)``
+    makes the plan the run would choose on ``rates`` without the servers in ``down``; ``seconds(plan, rates)``
+    is what it optimises, seconds per frame (default: the predicted latency; with frames pipelined, 1 / the
+    predicted fps)."""
+
+    def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan], *, margin: float = MARGIN,
+                 frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
+                 seconds: Callable[[StagedPlan, Rates], float] | None = None):
+        self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
+        self.live = live or LiveRates()
+        self.costs = device.costs
+        self.paced = device.measured.paced
+        self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
+
+    def rates(self) -> Rates:
+        """The current rates: setup's (with calibration's fit) moved by every change point seen."""
+        return self.live.rates(self.device.rates())
+
+    def observe(self, plan: StagedPlan, timing: FrameTiming) -> list[Change]:
+        """Feed a frame of the running ``plan``; the change points it completes."""
+        return self.live.observe(self.samples(plan, timing))
+
+    def samples(self, plan: StagedPlan, timing: FrameTiming) -> dict[str, float]:
+        """One frame's slowness samples (seconds taken / seconds at setup's rates), by rate."""
+        base = self.device.rates()
+        out: dict[str, float] = {}
+        device_flops = self.costs.total_flops if not plan.servers else (  # the device ran the whole model ...
+            self.costs.tail_flops(plan.levels[-1]) if plan.levels and plan.tail is None else 0)  # ... or the tail
+        device_seconds = timing.compute if not plan.servers else timing.tail
+        if device_flops / base.device_flops_per_second > MIN_SAMPLE_SECONDS and device_seconds > 0:
+            out["device"] = device_seconds / (device_flops / base.device_flops_per_second)
+        work = dict(zip(plan.servers, work_of(plan, self.costs), strict=True))
+        taken: dict[int, float] = {}
+        given: dict[int, float] = {}
+        for step in timing.servers:
+            w = work.get(step.name)
+            if step.name == DEVICE or w is None:
+                continue
+            rate = base.server_flops_per_second.get(step.name)
+            if rate and w.flops / rate > MIN_SAMPLE_SECONDS and step.compute > 0:
+                out[f"server {step.name}"] = step.compute / (w.flops / rate)
+            transfer = step.received - step.send_start - step.times.input
+            sending = w.sent_bytes / base.antenna_bytes_per_second[step.antenna]
+            if not self.paced and transfer > 0 and sending > MIN_SAMPLE_SECONDS:
+                m = step.antenna
+                taken[m] = taken.get(m, 0.0) + transfer
+                given[m] = given.get(m, 0.0) + sending + base.request_overhead
+        for m, seconds in taken.items():
+            out[f"antenna {m}"] = seconds / given[m]
+        return out
+
+    def candidate(self, running: StagedPlan, down: set[str], why: str, margin: float | None = None) -> Trial | None:
+        """A trial of the plan the current rates suggest, if the cost model predicts it better than ``running``
+        by ``margin`` (default: the adaptation's; None returned: keep running)."""
+        margin = self.margin if margin is None else margin
+        rates = self.rates()
+        plan = self.propose(down, rates)
+        if same_plan(plan.to_dict(), running.to_dict()):
+            return None
+        new, now = self.seconds(plan, rates), self.seconds(running, rates)
+        if new >= now * (1 - margin):
+            return None
+        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms", self.frames)

@@ -1,0 +1,146 @@
+"""Live adaptation on real in-process servers (real gRPC on loopback, real ONNX Runtime): every server step
+reports its own times, and a run whose server slows down switches to another plan on live frames without
+losing, duplicating or reordering a frame, every output equal to the whole model."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from deepco_device.adaptation import Adaptation
+from deepco_device.planner import StagedPlanner
+from deepco_device.preprocess import normalise
+from deepco_device.runners import StagedRunner
+from deepco_device.session import Device
+from deepco_server.app import ServeConfig, Server
+from deepco_server.models import choose_runtime
+
+from deepco.cluster import parse_cluster
+from deepco.planning.staged import offload_plan, split_plan
+
+H, W = 64, 96
+SLOWER = 8  # the slowed server runs each model this many times per call
+MAX_FRAMES = 120  # a run that has not switched by then fails the test instead of going on
+
+
+class Slowable:
+    """An ORT session that, while ``slow[0]`` > 1, runs its model that many times per call: real compute, so a
+    server slows down as a busy box does (no sleep), and its answers stay exact."""
+
+    def __init__(self, session: ort.InferenceSession, slow: list[int]):
+        self._session, self._slow = session, slow
+
+    def __getattr__(self, name: str):
+        return getattr(self._session, name)
+
+    def run(self, *args, **kwargs):
+        for _ in range(self._slow[0] - 1):
+            self._session.run(*args, **kwargs)
+        return self._session.run(*args, **kwargs)
+
+
+class SlowableRuntime:
+    """The server's runtime, making `Slowable` sessions."""
+
+    def __init__(self, slow: list[int]):
+        self._runtime, self._slow = choose_runtime("cpu", 1), slow
+
+    def __getattr__(self, name: str):
+        return getattr(self._runtime, name)
+
+    def session(self, model_bytes: bytes) -> Slowable:
+        return Slowable(self._runtime.session(model_bytes), self._slow)
+
+
+@pytest.fixture(scope="module")
+def cluster_of_two(partition_zoo) -> Iterator[tuple[Device, list[int]]]:
+    """A set-up device (resnet18 at HxW) on two in-process servers; s0's slowness (1: as fast as s1)."""
+    _, path = partition_zoo("resnet18", 0, 0)
+    slow = [1]
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for runtime in (SlowableRuntime(slow), choose_runtime("cpu", 1)):
+            server = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2), runtime)
+            stack.callback(server.stop, 1)
+            servers.append(server)
+        cluster = parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
+                                 "servers": [{"name": f"s{k}", "capacity": 1.0, "address": s.address}
+                                             for k, s in enumerate(servers)]})
+        lines: list[str] = []
+        dev = stack.enter_context(Device(cluster, path, H, W, log=lines.append))
+        dev.setup(rows=False)
+        dev.lines = lines
+        yield dev, slow
+
+
+def pixels(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (1, 3, H, W), dtype=np.uint8)
+
+
+def whole_model(dev: Device):
+    """The unpartitioned model (no pixel prefix) on the reference preprocessing: px -> output."""
+    session = ort.InferenceSession(dev.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return lambda px: session.run(None, {name: normalise(px, dev.preprocessing)})[0]
+
+
+def exact(want: np.ndarray, got: np.ndarray) -> bool:
+    return got.shape == want.shape and float(np.abs(got - want).max()) / float(np.abs(want).max()) < 1e-4
+
+
+def test_every_server_step_reports_its_own_times_for_split_and_offload(cluster_of_two):
+    dev, _ = cluster_of_two
+    planner = StagedPlanner(dev)
+    costs, rates = planner.costs, planner.rates()
+    for plan in (offload_plan(costs, rates, "s1"),
+                 split_plan(costs, rates, ["s0", "s1"], ["layer1", "layer3"], True, "s0")):  # exchange, gather
+        _, timing = StagedRunner(dev, plan).run_frame(pixels(0))
+        assert [s.name for s in timing.servers] == plan.servers
+        for step in timing.servers:
+            t = step.times
+            assert t.input > 0 and t.compute > 0 and t.encode > 0 and t.queue >= 0, (plan.kind, step)
+        if plan.levels:  # servers exchange halo rows before layer3 and s1 sends its band to s0's tail
+            assert all(s.times.halo > 0 for s in timing.servers) and timing.servers[1].times.send > 0
+        assert timing.to_dict()  # the JSON log takes it
+
+
+def test_a_server_that_slows_down_is_switched_away_from_without_losing_a_frame(cluster_of_two):
+    dev, slow = cluster_of_two
+    planner = StagedPlanner(dev)
+    runner = StagedRunner(dev, offload_plan(planner.costs, planner.rates(), "s0"))
+    adapt = Adaptation(dev, lambda down, rates: planner.plans("latency", exclude=down, rates=rates)[0])
+    frames: dict[int, np.ndarray] = {}
+    slowed_at = 12
+
+    def source() -> Iterator[np.ndarray]:
+        """Frames until a few have run after a switch (at most MAX_FRAMES); s0 slows down after ``slowed_at``."""
+        after = 0
+        for k in itertools.count():
+            switched = any(e["event"] == "switch" for e in dev.events)
+            after += switched
+            if k == MAX_FRAMES or after > 6:
+                return
+            if k == slowed_at:
+                slow[0] = SLOWER
+            frames[k] = pixels(k)
+            yield frames[k]
+
+    try:
+        results = list(runner.run_frames(source(), depth=2, replan=lambda down: planner.best(exclude=down),
+                                         adapt=adapt))
+    finally:
+        slow[0] = 1
+    switches = [line for line in dev.lines if line.startswith("switch: ")]
+    assert len(switches) == 1, dev.lines
+    assert "from offload: the whole model on s0" in switches[0] and "server s0" in switches[0], switches[0]
+    # nothing lost, duplicated or reordered, every output exact, whichever plan ran it
+    assert [r.index for r in results] == list(range(len(frames))) and len(frames) < MAX_FRAMES
+    reference = whole_model(dev)
+    for r in results:
+        assert r.error is None and exact(reference(frames[r.index]), r.output), r.index
+    # the frames after the switch run on the new plan, which no longer gives the slow server the whole model
+    assert results[-1].staged.server != "s0"

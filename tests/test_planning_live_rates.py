@@ -1,0 +1,76 @@
+"""The live-rate estimator: a step change is seen within a few samples, a single outlier never is, and the rates
+the planner gets move by the size of the change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepco.planning.live_rates import WINDOW, ChangeDetector, LiveRates
+from deepco.planning.staged import Rates
+
+
+def noisy(level: float, n: int, seed: int) -> list[float]:
+    """``n`` samples around ``level`` with 5% noise (a frame's time is never exact)."""
+    return list(level * (1 + 0.05 * np.random.default_rng(seed).standard_normal(n)))
+
+
+def first_change(detector: ChangeDetector, samples: list[float]) -> tuple[int, float] | None:
+    for k, sample in enumerate(samples):
+        factor = detector.add(sample)
+        if factor is not None:
+            return k, factor
+    return None
+
+
+def test_a_step_change_is_seen_within_a_few_samples_and_a_single_outlier_never():
+    detector = ChangeDetector()
+    assert first_change(detector, noisy(1.0, 20, 0)) is None
+    # one frame 10x slower (a hiccup), then back: no change, however large
+    assert first_change(detector, [10.0, *noisy(1.0, 10, 1)]) is None
+    assert first_change(detector, [0.1, *noisy(1.0, 10, 2)]) is None
+    # a real step to 4x slower: seen at its third sample (all recent ones agree), not after tens of frames
+    seen = first_change(detector, noisy(4.0, 20, 3))
+    assert seen is not None
+    k, factor = seen
+    assert k < WINDOW and factor == pytest.approx(4.0, rel=0.15) and detector.level == pytest.approx(4.0, rel=0.15)
+    # once the new level has held a few frames, the step back is seen as quickly; the level is measured from
+    # the first one
+    assert first_change(detector, noisy(4.0, 6, 9)) is None
+    k, factor = first_change(detector, noisy(1.0, 20, 4))
+    assert k < WINDOW and factor == pytest.approx(0.25, rel=0.15) and detector.level == pytest.approx(1.0, rel=0.1)
+    # a step back right after a change is seen too, a little later (against the few samples of the new level)
+    assert first_change(detector, noisy(1.0, 6, 10)) is None
+    k, factor = first_change(detector, [*noisy(4.0, 3, 11), *noisy(1.0, 10, 12)])
+    assert k == WINDOW - 1 and factor == pytest.approx(4.0, rel=0.15)
+    k, factor = first_change(detector, noisy(1.0, 10, 13))
+    assert k < 2 * WINDOW and detector.level == pytest.approx(1.0, rel=0.1)
+
+
+def test_bimodal_noise_is_no_change_but_a_step_out_of_it_is():
+    """Frames that share a server take one or two units of time at random: no change point, however long;
+    a step to four times slower than that still is one."""
+    rng = np.random.default_rng(8)
+    detector = ChangeDetector()
+    assert first_change(detector, list(rng.choice([1.0, 2.0], 200))) is None
+    seen = first_change(detector, list(rng.choice([4.0, 8.0], 20)))
+    assert seen is not None and seen[0] < 10
+
+
+def test_live_rates_rescale_only_the_rate_that_changed_and_keep_it_across_a_restart():
+    live = LiveRates()
+    base = Rates({"s0": 4e9, "s1": 4e9}, [1e6, 2e6], 0.001, 1e9, 1e7, 0.001)
+    for sample in noisy(1.3, 10, 5):  # a steady bias (this plan's segments run slower than the probe): no change
+        assert live.observe({"server s0": sample, "server s1": 1.0, "antenna 1": 1.0}) == []
+    changes = []
+    for sample in noisy(1.3 * 3, 3, 6):  # s0 three times slower
+        changes += live.observe({"server s0": sample, "server s1": 1.0, "antenna 1": 1.0})
+    assert [c.key for c in changes] == ["server s0"] and "slower" in changes[0].describe()
+    rates = live.rates(base)
+    assert rates.server_flops_per_second["s0"] == pytest.approx(4e9 / 3, rel=0.15)
+    assert rates.server_flops_per_second["s1"] == 4e9 and rates.antenna_bytes_per_second == [1e6, 2e6]
+    assert base.server_flops_per_second["s0"] == 4e9  # setup's rates are left as they were
+    live.restart()  # a new plan: another bias, the factor found stays
+    for sample in noisy(2.0, 10, 7):
+        assert live.observe({"server s0": sample}) == []
+    assert live.rates(base).server_flops_per_second["s0"] == pytest.approx(4e9 / 3, rel=0.15)
