@@ -12,16 +12,18 @@ device has, the candidates that fit its servers' free slots and a callback that 
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 from deepco_device.backpressure import while_busy
 from deepco_device.lifecycle import NoRoom
-from deepco_device.runners import StagedRunner
+from deepco_device.runners import RUNNERS, StagedRunner
 
 from deepco.errors import UserError
-from deepco.planning import calibration
+from deepco.planning import calibration, slo
 from deepco.planning.calibration import Unfit, plan_key
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
@@ -39,6 +41,9 @@ from deepco.wire.client import ServerError
 
 if TYPE_CHECKING:
     from deepco_device.session import Device
+
+SLO_FRAMES = 10  # pipelined frames `--objective slo` measures each short-listed plan and depth on
+SLO_PLANS = 3  # plans of each ranking (latency, throughput) `--objective slo` pairs with frames in flight
 
 
 class StagedPlanner:
@@ -123,7 +128,7 @@ class StagedPlanner:
             self.device.log(f"calibration: {self.unfit_plans} of {every} candidate plans need more model slots than "
                             f"the servers have free ({', '.join(f'{k} {v}' for k, v in self.room.items())}): skipped")
         dev = self.device
-        runs = _PlanRuns(dev, np.zeros((1, dev.channels, dev.height, dev.width), np.uint8))
+        runs = _PlanRuns(dev, self._blank())
         result = calibration.calibrate(
             self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
             frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
@@ -166,6 +171,56 @@ class StagedPlanner:
         """Predicted sustained frames per second of ``plan`` with frames pipelined."""
         return throughput(plan, self.costs, self.rates())
 
+    def slo_options(self, fastest: StagedPlan | None = None) -> list[slo.Option]:
+        """`--objective slo`'s candidates: the best plans of each ranking (latency, throughput) with each number
+        of frames in flight worth trying (`deepco.planning.slo.options`), predicted on the calibrated model
+        (``fastest``: calibration's plan when it ran already; else it runs now)."""
+        fastest = fastest or self.calibrate("latency")
+        plans = [fastest, *self.plans("latency")[:SLO_PLANS], *self.plans("throughput")[:SLO_PLANS]]
+        return slo.options(plans, self.costs, self.rates(), least_depth)
+
+    def choose_slo(self, bound: float, frames: int = SLO_FRAMES,
+                   candidates: list[slo.Option] | None = None) -> slo.SloChoice:
+        """`--objective slo`: measure the short list of ``candidates`` (default `slo_options`) on ``frames``
+        pipelined blank frames each and choose (`deepco.planning.slo.choose`). The chosen plan's models stay
+        uploaded for the run; the others are given back."""
+        candidates = candidates or self.slo_options()
+        runs = _PlanRuns(self.device, self._blank())
+        choice = None
+        try:
+            choice = slo.choose(candidates, lambda option: self._trial(runs, option, frames), bound)
+        finally:  # the chosen plan's models stay for the run (as calibration leaves its own plan's)
+            kept = None if choice is None else plan_key(choice.option.plan)
+            for option in candidates:
+                if plan_key(option.plan) != kept:
+                    runs.release(option.plan)
+        return choice
+
+    def trials(self, candidates: list[slo.Option], frames: int = SLO_FRAMES) -> list[slo.Trial]:
+        """Every one of ``candidates`` measured as `choose_slo` measures them (the benchmark's yardstick); their
+        models are given back after."""
+        runs = _PlanRuns(self.device, self._blank())
+        try:
+            return [self._trial(runs, option, frames) for option in candidates]
+        finally:
+            for option in candidates:
+                runs.release(option.plan)
+
+    def _blank(self) -> np.ndarray:
+        dev = self.device
+        return np.zeros((1, dev.channels, dev.height, dev.width), np.uint8)
+
+    def _trial(self, runs: _PlanRuns, option: slo.Option, frames: int) -> slo.Trial:
+        trial = runs.pipelined(option, frames)
+        self.device.log(f"slo: {option.describe()}: predicted {option.latency * 1e3:.1f} ms, {option.fps:.2f} fps; "
+                        f"measured p95 {trial.p95 * 1e3:.1f} ms, {trial.fps:.2f} fps")
+        return trial
+
+
+def least_depth(plan: StagedPlan) -> int:
+    """Frames in flight a runner of ``plan`` has at least."""
+    return RUNNERS[plan.kind].least_depth(plan)
+
 
 class _PlanRuns:
     """Calibration's ``time_plan`` and ``release`` on the device: a runner per plan, its models on the servers
@@ -188,6 +243,27 @@ class _PlanRuns:
         if warm_up:
             runner.run_frame(self.px)
         return [runner.run_frame(self.px)[1].latency for _ in range(frames)]
+
+    def pipelined(self, option: slo.Option, frames: int) -> slo.Trial:
+        """``option``'s plan with its frames in flight on ``frames`` frames (after untimed ones when its runner is
+        new): the p95 of their latencies and their fps (frames / the run's wall time)."""
+        key = plan_key(option.plan)
+        runner = self._runners.get(key)
+        if runner is None:
+            try:
+                runner = self._runners[key] = StagedRunner(self.device, option.plan)
+            except NoRoom as exc:
+                self.device.log(f"slo: skipped {option.plan.describe()}: {exc}")
+                return slo.Trial(option, math.inf, 0.0)  # never meets a bound, never the least p95
+            for _ in range(least_depth(option.plan)):  # first runs allocate (round-robin: on every server)
+                runner.run_frame(self.px)
+        start = time.perf_counter()
+        results = list(runner.run_frames([self.px] * frames, depth=option.depth))
+        seconds = time.perf_counter() - start
+        failed = [r.error for r in results if r.error is not None]
+        if failed:
+            raise UserError(f"slo: {option.describe()} failed a frame while measured: {failed[0]}")
+        return slo.Trial(option, float(np.percentile([r.latency for r in results], 95)), frames / seconds)
 
     def release(self, plan: StagedPlan) -> None:
         """Give back ``plan``'s models."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
@@ -16,8 +16,11 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
-from deepco.planning.staged import StagedPlan
+from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
+
+if TYPE_CHECKING:  # scipy, through calibration: not on the CLI's start
+    from deepco.planning.slo import SloChoice, SloWatch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,15 +39,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
-    p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
-                   help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
+    p.add_argument("--objective", default="latency", choices=["latency", "throughput", "slo"],
+                   help="what auto optimises: one frame's latency, sustained fps with frames pipelined, or (slo) "
+                        "the most fps whose p95 latency stays under --max-latency, plan and frames in flight "
+                        "chosen by measurement")
+    p.add_argument("--max-latency", type=float, default=None, metavar="MS",
+                   help="--objective slo's bound on the p95 frame latency, milliseconds")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
     p.add_argument("--weights", default=None, metavar="STATE_DICT",
                    help="a torch state-dict file for a zoo model (torchvision's parameter names for the ResNets); "
                         "without it the zoo's ResNets have seeded random weights and their labels are noise")
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
-    p.add_argument("--depth", type=int, default=2, help="frames in flight at once (pipelining)")
+    p.add_argument("--depth", type=int, default=2,
+                   help="frames in flight at once (pipelining; --objective slo chooses it)")
+    p.add_argument("--drop", choices=["late", "never"], default=None,
+                   help="late: a live source's frame that cannot enter yet is replaced by the next one (counted, "
+                        "logged as dropped), so results stay fresh; never: every frame waits its turn. Default: "
+                        "late for cameras, URLs and --source-fps, never for files, images and directories")
+    p.add_argument("--source-fps", type=float, default=None, metavar="N",
+                   help="play a video file, image or directory as a live source at N frames per second (a real "
+                        "clock: frame i is captured at i/N s), for tests and benchmarks")
     p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
@@ -60,13 +75,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Set up the device, stream the source through the plan, report."""
     from deepco_device.preprocess import normalise, pixels
+    from deepco_device.run_report import Report, Saved
     from deepco_device.session import Device
-    from deepco_device.sources import first_frame_check, open_source
+    from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
     height, width = parse_size(args.input_size)
-    if args.frames is not None and args.frames <= 0:
-        raise UserError(f"--frames must be positive, got {args.frames}")
+    _check_flags(args)
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
+    drop_mode(args.source, args.drop, args.source_fps)
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     if args.pace:
@@ -74,10 +90,8 @@ def run(args: argparse.Namespace) -> int:
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
     shown = Outputs(how.output, args.output_dir)
-    inputs: list[np.ndarray] = []
-    outputs: list[np.ndarray] = []
+    saved = Saved(args.save_outputs)
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
-    failures = 0
     try:
         staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
@@ -92,84 +106,110 @@ def run(args: argparse.Namespace) -> int:
                       "STATE_DICT for real ones", flush=True)
             from deepco_device.runners import StagedRunner
 
-            plan, replan, drift = _plan(args, dev, staged)
-            runner = StagedRunner(dev, plan)
-            predicted = plan.predicted
+            chosen = _plan(args, dev, staged)
+            runner = StagedRunner(dev, chosen.plan)
+            depth = max(chosen.depth, runner.frames_at_once)
+            predicted = chosen.announce(dev, depth)
 
-            def frames():
-                for frame in open_source(args.source, args.frames):
-                    px = pixels(frame, height, width, how)
-                    if args.save_outputs:
-                        inputs.append(normalise(px, how))  # what the unpartitioned model takes
-                    yield px
+            def prepare(frame: np.ndarray) -> np.ndarray:
+                px = pixels(frame, height, width, how)
+                saved.input(normalise(px, how))  # what the unpartitioned model takes
+                return px
 
-            start = time.perf_counter()
-            latencies = []
-            depth = max(args.depth, runner.frames_at_once)
-            results = runner.run_frames(frames(), depth=depth, replan=replan, give_up=give_up, drift=drift)
+            report = Report(predicted, depth, log_file)
+            feed = open_feed(args.source, args.frames, args.drop, args.source_fps, prepare)
+            watch = chosen.watch(depth, runner.frames_at_once)
+            results = runner.run_frames(feed, depth=depth, replan=chosen.replan, give_up=give_up,
+                                        drift=chosen.drift, in_flight=(lambda: watch.depth) if watch else None)
             for result in results:
-                if log_file:
-                    log_file.write(json.dumps(result.log_record(predicted)) + "\n")
+                report.dropped(feed.drops(), args.quiet)
+                report.frame(result)
+                saved.output(result)
                 if result.error is not None:
-                    failures += 1
                     print(f"frame {result.index}: ERROR {result.error}", flush=True)
-                    if args.save_outputs:
-                        outputs.append(np.full_like(outputs[-1], np.nan) if outputs else np.array([np.nan]))
                     continue
-                latencies.append(result.latency)
-                if args.save_outputs:
-                    outputs.append(result.output)
                 shown_output = shown.frame(result.index, result.output)
+                if watch is not None and (line := watch.observe(result.latency)):
+                    print(line, flush=True)
                 if not args.quiet:
-                    fps = len(latencies) / (time.perf_counter() - start)
-                    print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown_output}",
-                          flush=True)
-            elapsed = time.perf_counter() - start
+                    print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {report.fps():5.1f} fps  "
+                          f"{shown_output}", flush=True)
+            report.dropped(feed.drops(), args.quiet)
+            report.finish()
     finally:
         if log_file:
             log_file.close()
-    if args.save_outputs:
-        empty = np.zeros((0, how.channels, height, width))
-        np.savez(args.save_outputs, inputs=np.concatenate(inputs) if inputs else empty,
-                 outputs=np.concatenate(outputs) if outputs else np.zeros((0,)))
-    done = len(latencies)
-    if done:
-        p50, p95 = np.percentile(latencies, [50, 95])
-        print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
-              f"{np.mean(latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; "
-              f"predicted {predicted * 1e3:.1f} ms; {failures} failed")
-    if failures:
-        print(f"deepco run: {failures} frame(s) failed (see above)", file=sys.stderr)
-        return 1
-    return 0
+    saved.write(how.channels, height, width)
+    return report.summary()
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other or are out of range: one line each, before anything starts."""
+    if args.frames is not None and args.frames <= 0:
+        raise UserError(f"--frames must be positive, got {args.frames}")
+    if args.objective == "slo":
+        if args.max_latency is None or not args.max_latency > 0:
+            raise UserError("--objective slo needs --max-latency MS, a positive number of milliseconds")
+        if args.plan is not None or args.algorithm != "auto":
+            raise UserError("--objective slo chooses the plan itself: it goes with --algorithm auto, not with "
+                            "--plan or another --algorithm")
+    elif args.max_latency is not None:
+        raise UserError("--max-latency is the bound of --objective slo; give --objective slo too")
 
 
-def _plan(args: argparse.Namespace, dev, staged: bool) -> tuple[StagedPlan, Callable, object]:
-    """The plan to run (printed), how failover replans, and the drift watch (None: none)."""
+@dataclass(frozen=True)
+class Chosen:
+    """What a run runs: the plan and its frames in flight, how failover replans, the drift watch (None:
+    none), and with --objective slo its choice (deepco.planning.slo)."""
+
+    plan: StagedPlan
+    depth: int
+    replan: Callable
+    drift: object = None
+    slo: SloChoice | None = None
+    paper: bool = False  # a paper plan, whose table `_plan` printed
+
+    def announce(self, dev, depth: int) -> float:
+        """Print the prediction for what runs, ``depth`` frames in flight; the predicted latency (seconds)."""
+        latency, fps = pipelined(self.plan, dev.costs, dev.rates(), depth)
+        which = "" if self.paper else f"plan: {self.plan.describe()}; "
+        print(f"{which}predicted with {depth} frame(s) in flight: {latency * 1e3:.1f} ms, {fps:.2f} fps (one frame "
+              f"alone: {self.plan.predicted * 1e3:.1f} ms)", flush=True)
+        if self.slo is not None:
+            print(self.slo.note(), flush=True)
+        return latency
+
+    def watch(self, depth: int, least: int) -> SloWatch | None:
+        """With --objective slo, the watch that keeps the run within its bound."""
+        from deepco.planning.slo import SloWatch
+
+        return None if self.slo is None else SloWatch(self.slo.bound, depth, least)
+
+
+def _plan(args: argparse.Namespace, dev, staged: bool) -> Chosen:
+    """The plan to run (printed), its frames in flight, how failover replans, and the drift watch."""
     from deepco_device.health import DriftWatch
     from deepco_device.planner import StagedPlanner
 
-    if staged:
-        planner = StagedPlanner(dev)
-        plan = _staged_plan(args, planner, dev)
-        print(dev.describe_measurements(), flush=True)
-        print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, "
-              f"{planner.fps(plan):.2f} fps", flush=True)
-        return plan, lambda down: planner.best(args.objective, exclude=down), None
-    # the paper's plan; failover replans with the same algorithm, and drift re-profiles
-    print(dev.describe_plan(), flush=True)
-    return dev.plan, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured)
-
-
-def _staged_plan(args: argparse.Namespace, planner, dev) -> StagedPlan:
-    """The plan a staged run runs: the one saved in ``--plan``, auto's (calibrated) or the named one."""
+    if not staged:  # the paper's plan; failover replans with the same algorithm, and drift re-profiles
+        print(dev.describe_plan(), flush=True)
+        return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), DriftWatch(dev.costs, dev.measured),
+                      paper=True)
+    planner = StagedPlanner(dev)
+    objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
+    replan = lambda down: planner.best(objective, exclude=down)  # noqa: E731
+    choice, depth = None, args.depth
     if args.plan is not None:
         from deepco_device.plan_command import load_plan
 
-        return load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
-    return planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
+        plan = load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
+    elif args.objective == "slo":
+        choice = planner.choose_slo(args.max_latency / 1e3)
+        plan, depth = choice.option.plan, choice.option.depth
+    else:
+        plan = planner.calibrate(args.objective) if args.algorithm == "auto" else planner.named(args.algorithm)
+    print(dev.describe_measurements(), flush=True)
+    return Chosen(plan, depth, replan, None, choice)
 
 
 def _seeded(model: str, weights: str | None) -> bool:

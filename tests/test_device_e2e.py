@@ -105,9 +105,13 @@ def test_run_on_a_video_equals_the_whole_model(servers, workdir, clip, exported,
     assert np.abs(data["outputs"] - want).max() <= 1e-4 * scale
 
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["frame"] for r in records] == list(range(FRAMES))
+    assert [r["frame"] for r in records] == list(range(FRAMES))  # a file drops no frame by default
+    assert "predicted with 2 frame(s) in flight:" in result.stdout and "0 dropped; 0 failed" in result.stdout
+    # captured after the run started, in order; each result came no sooner than its own compute
+    assert [r["captured"] for r in records] == sorted(r["captured"] for r in records)
     for r in records:
         assert r["error"] is None
+        assert r["captured"] >= 0 and r["capture_to_result"] >= r["latency"] > 0
         if algorithm == "equal":  # really partitioned: every server computed a slice of every frame
             assert len({s["name"] for s in r["servers"]}) == count
             assert {s["antenna"] for s in r["servers"]} == set(range(min(count, antennas)))
@@ -119,6 +123,29 @@ def test_run_on_a_video_equals_the_whole_model(servers, workdir, clip, exported,
         # the breakdown adds up: the last slice back, the hand-over, the stitch and the tail make the latency
         assert r["dispatch"] >= 0
         assert critical + r["dispatch"] + r["stitch"] + r["tail"] == pytest.approx(r["latency"], rel=1e-3)
+
+
+def test_a_source_faster_than_the_engine_drops_late_frames_and_loses_none_that_entered(servers, workdir, exported):
+    """The photo played as a live source far faster than any plan: the frames that entered leave with outputs
+    equal to the whole model's, in order; every other frame is a `dropped` line; the summary counts them."""
+    onnx_path = exported("resnet18", "128x160")
+    cluster = cluster_file(workdir / "live.toml", servers, 1, 1)
+    saved, log = workdir / "live.npz", workdir / "live.jsonl"
+    frames = 12
+    result = deepco("run", "--cluster", str(cluster), "--model", str(onnx_path), "--input-size", "128x160",
+                    "--source", str(PHOTO), "--source-fps", "10000", "--frames", str(frames), "--depth", "1",
+                    "--algorithm", "offload", "--save-outputs", str(saved), "--json-log", str(log), "--quiet")
+    assert result.returncode == 0, result.stderr + result.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    done = [r["frame"] for r in records if "frame" in r]
+    dropped = [r["dropped"] for r in records if "dropped" in r]
+    assert sorted(done + dropped) == list(range(frames)) and done == sorted(done)
+    assert dropped and done[-1] == frames - 1  # the latest frame always enters
+    assert f"{len(dropped)} dropped; 0 failed" in result.stdout
+    data = np.load(saved)
+    want = whole_model(onnx_path, data["inputs"])
+    assert data["outputs"].shape == want.shape == (len(done), 1000)
+    assert np.abs(data["outputs"] - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_bad_sources_fail_in_one_line_and_leave_the_servers_healthy(servers, workdir, exported):

@@ -5,7 +5,10 @@ measurements for every algorithm), then
 1. latency: one frame at a time per algorithm (nothing pipelined, so a frame's latency is its own),
    in a fresh order every round (`round_order`) so that drift on the machine hits all of them alike;
 2. throughput: for each algorithm a run of its own with frames pipelined (``--depth``, at least 2; for
-   round-robin one frame per server in flight), giving sustained frames per second.
+   round-robin one frame per server in flight), giving sustained frames per second;
+3. with ``--live-frames`` and ``--slo-factor``, issue 28's runs on `auto`'s plan (`deadlines`): the photo played
+   as a live source faster than the engine (capture-to-result latency, drops), and `--objective slo`'s
+   choice against every candidate plan and depth measured in the same run.
 Every output of every frame is checked against ONNX Runtime on the whole, unpartitioned model with the
 same preprocessing. Writes one JSON document with the physical bound of the point (see `bound`).
 
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from deepco_device.feed import LiveFeed
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
@@ -37,6 +41,7 @@ from deepco.errors import UserError
 from deepco.parsing import parse_size
 
 WARMUP_FRAMES = 2
+LIVE_SPEEDUP = 2.0  # --live-frames plays its source this many times faster than auto's measured fps
 LOADED, GO = "deepco-bench: model loaded", "go"  # the --handshake lines
 MODNN = ("modnn-sa", "modnn-ma")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
@@ -187,8 +192,79 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 entry["plan_text"] = device.describe_plan(r.plan)
             results[a] = entry
         measured = device.measured.to_dict() | {"step_overhead": planner.step_overhead}
+        extras = deadlines(args, planner, runners, results, px, lambda output: check("auto", output))
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,
-                "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results}
+                "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results} | extras
+
+
+def deadlines(args: argparse.Namespace, planner: StagedPlanner, runners: dict, results: dict, px: np.ndarray,
+              check) -> dict:
+    """The runs of issue 28's must-shows, on `auto`'s plan: ``live`` (``--live-frames``: the photo played as a
+    live source at ``LIVE_SPEEDUP`` times `auto`'s measured fps, once dropping late frames, once not) and
+    ``slo`` (``--slo-factor``: `--objective slo` with a bound of that factor times `auto`'s measured p50,
+    against every candidate plan and depth measured in the same run)."""
+    out: dict = {}
+    if (args.live_frames > 0 or args.slo_factor > 0) and "auto" not in runners:
+        raise UserError("--live-frames and --slo-factor run auto's plan: put auto in --algorithms")
+    if args.live_frames > 0:
+        auto = results["auto"]
+        rate = LIVE_SPEEDUP * (auto["fps"] or 1 / auto["p50"])
+        depth = args.live_depth or saturating_depth(planner, runners["auto"].plan)
+        out["live"] = {drop: live_run(runners["auto"].impl, px, rate, args.live_frames, depth, drop, check)
+                       | {"single_frame_p50": auto["p50"]} for drop in ("late", "never")}
+    if args.slo_factor > 0:
+        out["slo"] = slo_run(planner, runners["auto"].plan, args.slo_factor * results["auto"]["p50"])
+    return out
+
+
+def saturating_depth(planner: StagedPlanner, plan) -> int:
+    """The frames in flight past which the cost model predicts no more fps for ``plan`` (more would only queue,
+    and a live source's results would come older): the deepest of `deepco.planning.slo.options`."""
+    from deepco_device.planner import least_depth
+
+    from deepco.planning.slo import options
+
+    return options([plan], planner.costs, planner.rates(), least_depth)[-1].depth
+
+
+def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: str, check) -> dict:
+    """``frames`` copies of ``px`` played as a live source at ``fps`` (device.feed.LiveFeed, a real clock)
+    through ``runner`` with ``depth`` frames in flight: capture-to-result and compute latency percentiles
+    (overall, and the p95 of the first and last third, to see whether it grows), frames dropped."""
+    feed = LiveFeed(drop, fps).start(iter([px] * frames))
+    ages, latencies, failed = [], [], 0
+    start = time.perf_counter()
+    for result in runner.run_frames(feed, depth=depth):
+        if result.error is not None:
+            failed += 1
+            continue
+        check(result.output)
+        ages.append(result.capture_to_result)
+        latencies.append(result.latency)
+    third = max(1, len(ages) // 3)
+    p = lambda values, q: float(np.percentile(values, q)) if values else None  # noqa: E731
+    return {"drop": drop, "source_fps": fps, "frames": frames, "depth": depth, "done": len(ages),
+            "dropped": feed.dropped, "failed": failed, "seconds": time.perf_counter() - start,
+            "capture_to_result_p50": p(ages, 50), "capture_to_result_p95": p(ages, 95),
+            "first_third_p95": p(ages[:third], 95), "last_third_p95": p(ages[-third:], 95),
+            "latency_p50": p(latencies, 50), "latency_p95": p(latencies, 95), "capture_to_result": ages}
+
+
+def slo_run(planner: StagedPlanner, auto_plan, bound: float) -> dict:
+    """`--objective slo`'s choice with ``bound`` seconds, then every candidate (plan, depth) measured the same
+    way in the same run: the chosen one's fps against the most fps among those that met the bound."""
+    candidates = planner.slo_options(auto_plan)
+    choice = planner.choose_slo(bound, candidates=candidates)
+    every = planner.trials(candidates)
+    meeting = [t for t in every if t.p95 <= bound]
+    best = max(meeting, key=lambda t: t.fps, default=None)
+    again = next(t for t in every if t.option == choice.option)
+    return {"bound": bound, "met": choice.met, "chosen": choice.option.describe(), "chosen_depth": choice.option.depth,
+            "chosen_fps": again.fps, "chosen_p95": again.p95,
+            "best": best.option.describe() if best else None, "best_fps": best.fps if best else None,
+            "chosen_over_best_fps": again.fps / best.fps if best else None,
+            "trials": [{"plan": t.option.describe(), "depth": t.option.depth, "predicted_latency": t.option.latency,
+                        "predicted_fps": t.option.fps, "p95": t.p95, "fps": t.fps} for t in every]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cut", default="auto")
     p.add_argument("--pace", action="store_true")
     p.add_argument("--peer-mbps", type=float, default=None, help="the servers' own links (MoDNN's exchanges)")
+    p.add_argument("--live-frames", type=int, default=0,
+                   help=f"play the photo as a live source at {LIVE_SPEEDUP:g}x auto's fps for N frames (0: skip)")
+    p.add_argument("--live-depth", type=int, default=0,
+                   help="frames in flight in the live runs (0: the least past which auto's plan is predicted no "
+                        "more fps)")
+    p.add_argument("--slo-factor", type=float, default=0.0,
+                   help="run --objective slo with a bound of this factor times auto's p50 (0: skip)")
     p.add_argument("--label", default="")
     p.add_argument("--out", required=True)
     p.add_argument("--handshake", action="store_true",
