@@ -248,7 +248,8 @@ def aggregate(runs: list[dict]) -> dict:
         entries = [r["algorithms"][name] for r in runs]
         agg = {}
         for key in ("p50", "p95", "mean", "fps", "predicted", "measured_over_predicted", "predicted_fps",
-                    "p50_over_bound", "fps_over_bound"):
+                    "p50_over_bound", "fps_over_bound", "depth", "pipelined_p50", "predicted_pipelined",
+                    "pipelined_over_predicted"):
             values = [e[key] for e in entries if e.get(key) is not None]
             agg[key] = statistics.median(values) if values else None
         p50s = [e["p50"] for e in entries]
@@ -290,8 +291,12 @@ def aggregate_deadlines(runs: list[dict]) -> dict:
 
 
 def deadline_lines(point: dict) -> list[str]:
-    """The table's lines for the live and slo runs (medians over the repeats)."""
-    lines = []
+    """The table's lines for the prediction at depth, the live and the slo runs (medians over the repeats)."""
+    at_depth = [f"{name} {r['pipelined_p50'] * 1e3:.1f}/{r['predicted_pipelined'] * 1e3:.1f} ms = "
+                f"{r['pipelined_over_predicted']:.2f}" for name, r in point["algorithms"].items()
+                if r.get("pipelined_over_predicted")]
+    lines = [f"with frames in flight (the throughput run), measured p50 / predicted: {'; '.join(at_depth)}"] \
+        if at_depth else []
     for drop, r in point.get("live", {}).items():
         if r["capture_to_result_p95"] is None:
             continue

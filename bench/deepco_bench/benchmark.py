@@ -39,6 +39,7 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
+from deepco.planning.staged import pipelined
 
 WARMUP_FRAMES = 2
 LIVE_SPEEDUP = 2.0  # --live-frames plays its source this many times faster than auto's measured fps
@@ -91,13 +92,22 @@ class Runner:
 
             self.impl = ModnnRunner(device, name, peer_bytes_per_second=peer)
             self.predicted, self.predicted_fps, self.plan = self.impl.predicted, None, None
+            self.planner = None
         else:  # the paper's plans too: one staged runtime runs every plan
             from deepco_device.staged import StagedRunner
 
             plan = device.plan_for(name) if name in ROW_ALGORITHMS else objective_plans[name]
             self.impl = StagedRunner(device, plan)
             self.predicted, self.plan = plan.predicted, plan
-            self.predicted_fps = objective_plans["planner"].fps(plan)
+            self.planner = objective_plans["planner"]
+            self.predicted_fps = self.planner.fps(plan)
+
+    def predicted_at(self, depth: int) -> float | None:
+        """The predicted latency with ``depth`` frames in flight (`deepco.planning.staged.pipelined`; None:
+        not a staged plan)."""
+        if self.planner is None:
+            return None
+        return pipelined(self.plan, self.planner.costs, self.planner.rates(), depth)[0]
 
     def frame(self, px: np.ndarray) -> tuple[np.ndarray, float]:
         """Run one frame alone."""
@@ -105,12 +115,12 @@ class Runner:
         output, _ = self.impl.run_frame(px)
         return output, time.perf_counter() - start
 
-    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[np.ndarray]]:
-        """Sustained frames per second with ``depth`` frames in flight, and the outputs."""
+    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[np.ndarray], list[float]]:
+        """Sustained frames per second with ``depth`` frames in flight, the outputs and each frame's latency."""
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=depth) as pool:
-            outputs = [out for out, _ in pool.map(lambda _: self.impl.run_frame(px), range(frames))]
-        return frames / (time.perf_counter() - start), outputs
+            done = list(pool.map(lambda _: self.impl.run_frame(px), range(frames)))
+        return frames / (time.perf_counter() - start), [out for out, _ in done], [t.latency for _, t in done]
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -165,12 +175,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 check(a, output)
                 latencies[a].append(latency)
         fps: dict[str, float] = {}
+        pipelined_p50: dict[str, tuple[int, float]] = {}  # the depth and the frames' p50 of the throughput run
         if args.fps_frames > 0:
             for a in tqdm(algorithms, desc="throughput (each pipelined)", file=sys.stderr):
                 plan = runners[a].plan
                 round_robin = plan is not None and plan.kind == "round-robin"  # one frame per server in flight
                 depth = max(args.depth, len(cluster.servers)) if round_robin else args.depth
-                fps[a], outputs = runners[a].throughput(px, max(args.fps_frames, 2 * depth), depth)
+                fps[a], outputs, seconds = runners[a].throughput(px, max(args.fps_frames, 2 * depth), depth)
+                pipelined_p50[a] = depth, float(np.percentile(seconds, 50))
                 for output in outputs:
                     check(a, output)
         limits = bound(device)
@@ -181,6 +193,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             entry["max_relative_error"] = worst[a]
             entry["fps"] = fps.get(a)
             entry["predicted_fps"] = r.predicted_fps
+            if a in pipelined_p50:  # the prediction `deepco run` prints, against the throughput run's frames
+                depth, p50 = pipelined_p50[a]
+                predicted = r.predicted_at(depth)
+                entry |= {"depth": depth, "pipelined_p50": p50, "predicted_pipelined": predicted,
+                          "pipelined_over_predicted": p50 / predicted if predicted else None}
             entry["p50_over_bound"] = entry["p50"] / limits["latency"]
             entry["fps_over_bound"] = None if entry["fps"] is None else entry["fps"] / limits["fps"]
             if r.plan is not None:
