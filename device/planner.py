@@ -196,7 +196,7 @@ class StagedPlanner:
                     runs.release(option.plan)
         return choice
 
-    def trials(self, candidates: list[slo.Option], frames: int = SLO_FRAMES) -> list[slo.Trial]:
+    def measure_options(self, candidates: list[slo.Option], frames: int = SLO_FRAMES) -> list[slo.Trial]:
         """Every one of ``candidates`` measured as `choose_slo` measures them (the benchmark's yardstick); their
         models are given back after."""
         runs = _PlanRuns(self.device, self._blank())
