@@ -125,29 +125,6 @@ def test_run_on_a_video_equals_the_whole_model(servers, workdir, clip, exported,
         assert critical + r["dispatch"] + r["stitch"] + r["tail"] == pytest.approx(r["latency"], rel=1e-3)
 
 
-def test_a_source_faster_than_the_engine_drops_late_frames_and_loses_none_that_entered(servers, workdir, exported):
-    """The photo played as a live source far faster than any plan: the frames that entered leave with outputs
-    equal to the whole model's, in order; every other frame is a `dropped` line; the summary counts them."""
-    onnx_path = exported("resnet18", "128x160")
-    cluster = cluster_file(workdir / "live.toml", servers, 1, 1)
-    saved, log = workdir / "live.npz", workdir / "live.jsonl"
-    frames = 12
-    result = deepco("run", "--cluster", str(cluster), "--model", str(onnx_path), "--input-size", "128x160",
-                    "--source", str(PHOTO), "--source-fps", "10000", "--frames", str(frames), "--depth", "1",
-                    "--algorithm", "offload", "--save-outputs", str(saved), "--json-log", str(log), "--quiet")
-    assert result.returncode == 0, result.stderr + result.stdout
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    done = [r["frame"] for r in records if "frame" in r]
-    dropped = [r["dropped"] for r in records if "dropped" in r]
-    assert sorted(done + dropped) == list(range(frames)) and done == sorted(done)
-    assert dropped and done[-1] == frames - 1  # the latest frame always enters
-    assert f"{len(dropped)} dropped; 0 failed" in result.stdout
-    data = np.load(saved)
-    want = whole_model(onnx_path, data["inputs"])
-    assert data["outputs"].shape == want.shape == (len(done), 1000)
-    assert np.abs(data["outputs"] - want).max() <= 1e-4 * np.abs(want).max()
-
-
 def test_bad_sources_fail_in_one_line_and_leave_the_servers_healthy(servers, workdir, exported):
     cluster = cluster_file(workdir / "bad.toml", servers, 2, 1)
     model = str(exported("resnet18", "128x160"))

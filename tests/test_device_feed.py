@@ -4,15 +4,18 @@ source runs on a fake clock."""
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from deepco_device.feed import EndOfFeed, IterFeed, LiveFeed
+from deepco_device.feed import Dropped, EndOfFeed, IterFeed, LiveFeed
 from deepco_device.giveup import GiveUp
 from deepco_device.pipeline import run_frames
-from deepco_device.records import FrameTiming
+from deepco_device.records import FrameResult, FrameTiming
+from deepco_device.run_report import Report
 from deepco_device.sources import drop_mode
 
 from deepco.errors import UserError
@@ -169,3 +172,24 @@ def test_run_refuses_flags_that_do_not_go_together_in_one_line(capsys, tmp_path,
 
     code = main(["run", "--cluster", str(tmp_path / "absent.toml"), "--model", "resnet18", "--source", "0", *flags])
     assert (code, capsys.readouterr().err) == (2, f"deepco run: error: {message}\n")
+
+
+def test_the_run_report_logs_drops_and_capture_to_result_and_counts_them_in_the_summary(capsys):
+    log = io.StringIO()
+    report = Report(predicted=0.05, depth=1, log_file=log)
+    t0 = report.start
+    report.dropped([Dropped(1, t0 + 0.1, t0 + 0.2)], quiet=False)
+    for index, latency, captured, delivered in [(0, 0.04, 0.0, 0.06), (2, 0.05, 0.2, 0.3)]:
+        report.frame(FrameResult(index, output=np.zeros(3), latency=latency, captured=t0 + captured,
+                                 delivered=t0 + delivered))
+    report.finish()
+    assert report.summary() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("frame 1: dropped (late: a newer frame came before the pipeline had room)\n")
+    # latencies 40, 50 ms; capture to result 60, 100 ms (p95 by linear interpolation: 98)
+    assert ("latency mean 45.0 ms, p50 45.0, p95 49.5; capture to result p50 80.0, p95 98.0; predicted 50.0 ms at 1 "
+            "frame(s) in flight; 1 dropped; 0 failed") in out
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert [("dropped" in line, line.get("frame")) for line in lines] == [(True, None), (False, 0), (False, 2)]
+    assert lines[0]["captured"] == pytest.approx(0.1) and lines[0]["at"] == pytest.approx(0.2)
+    assert lines[2]["captured"] == pytest.approx(0.2) and lines[2]["capture_to_result"] == pytest.approx(0.1)
