@@ -193,3 +193,26 @@ def test_the_run_report_logs_drops_and_capture_to_result_and_counts_them_in_the_
     assert [("dropped" in line, line.get("frame")) for line in lines] == [(True, None), (False, 0), (False, 2)]
     assert lines[0]["captured"] == pytest.approx(0.1) and lines[0]["at"] == pytest.approx(0.2)
     assert lines[2]["captured"] == pytest.approx(0.2) and lines[2]["capture_to_result"] == pytest.approx(0.1)
+
+
+def test_fewer_frames_in_flight_when_the_slo_watch_says_so():
+    """`--objective slo`'s watch lowers the frames in flight: with one allowed of three, frame 1 does not start
+    while frame 0 runs (frame 0 waits 0.2 s for it to start, in vain) and the frames still come out in order."""
+    second_started = threading.Event()
+    overlapped, deadline = [], [0.2]
+
+    def on_frame(index: int) -> None:
+        if index == 0:
+            overlapped.append(second_started.wait(deadline[0]))
+        elif index == 1:
+            second_started.set()
+
+    inflight = SimpleNamespace(stopped=threading.Event(), cancel_all=lambda: set())
+    feed = IterFeed([frame(k) for k in range(4)])
+    results = list(run_frames(fake_health(FakeRunner(on_frame)), feed, 3, GiveUp(), inflight, in_flight=lambda: 1))
+    assert [r.index for r in results] == [0, 1, 2, 3] and overlapped == [False]
+    second_started.clear()
+    deadline[0] = 30.0  # the same with three allowed: frame 1 starts beside frame 0 (at once; 30 s at most)
+    feed = IterFeed([frame(k) for k in range(4)])
+    list(run_frames(fake_health(FakeRunner(on_frame)), feed, 3, GiveUp(), inflight, in_flight=lambda: 3))
+    assert overlapped == [False, True]
