@@ -171,9 +171,10 @@ def add_arguments(p: argparse.ArgumentParser, output: bool = False) -> None:
         g.add_argument("--output", choices=list(OUTPUTS), default=None,
                        help="labels: top-3 classes per frame; raw: save every output tensor to --output-dir "
                             "(for segmentation, detection, features); auto (default): labels for a 1000-class "
-                            "output, else the output's shape and range")
+                            "output, else every output's shape and range")
         g.add_argument("--output-dir", metavar="DIR", default="deepco-outputs",
-                       help="where --output raw writes frame-NNNNNN.npy (default ./deepco-outputs)")
+                       help="where --output raw writes frame-NNNNNN.npy, or frame-NNNNNN-<output name>.npy per output "
+                            "for a model with several (default ./deepco-outputs)")
 
 
 def _flag_list(text: str, flag: str) -> list[float]:

@@ -11,7 +11,7 @@ band of the cut tensor; the device concatenates the bands (disjoint: no crop) an
     dev = Device(cluster, "resnet18", 224, 224, cut="layer2"); dev.setup()   # measure, upload THREAD's head
     runner = ModnnRunner(dev, "modnn-ma")           # association, tables, segment models uploaded
     runner.predicted                                # predicted frame time (s), runner.prediction: breakdown
-    output, timing = runner.run_frame(x)            # x: 1x3xHxW uint8 pixels; output: the model's output
+    outputs, timing = runner.run_frame(x)           # x: 1x3xHxW uint8 pixels; outputs: every output by name
 
 MoDNN is one shape of staged plan (deepco.planning.staged: a stage per cut, no lookahead, the tail on the
 device): this module builds MoDNN's association and band tables and keeps MoDNN's own cost model; the
@@ -157,8 +157,8 @@ class ModnnRunner:
         return self.staged.request(job, server, x)
 
     # ---- running --------------------------------------------------------------------------------------
-    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
-        """One frame (1x3xHxW uint8 pixels) through MoDNN: (the model's output, its timing; the prediction
+    def run_frame(self, x: np.ndarray) -> tuple[dict[str, np.ndarray], FrameTiming]:
+        """One frame (1x3xHxW uint8 pixels) through MoDNN: (every output by name, its timing; the prediction
         is ``predicted``).
 
         Raises ServerError naming the server (or, from a server, the peer) that failed; the other servers'

@@ -51,8 +51,8 @@ class ModelArtefacts:
     def costs(self) -> CostModel:
         """The staged planner's cost model of this model (deepco.planning.staged), made once."""
         if self._costs is None:
-            out = self.reference_model.graph.output[0].type.tensor_type.shape.dim
-            out_bytes = 4 * int(np.prod([d.dim_value or 1 for d in out]))  # float32 (batch 1)
+            out_bytes = sum(4 * int(np.prod([d.dim_value or 1 for d in o.type.tensor_type.shape.dim]))
+                            for o in self.reference_model.graph.output)  # every output comes back; float32, batch 1
             image_bytes = self.channels * self.height * self.width * self.partitioner.graph.itemsize
             self._costs = CostModel(self.partitioner, image_bytes, out_bytes)
         return self._costs

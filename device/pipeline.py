@@ -71,7 +71,7 @@ def run_one(health: Health, inflight, frame: Frame) -> FrameResult:
     for _ in range(MAX_RETRIES + 1):
         current = health.current()
         try:
-            output, timing = current.run_frame(x)
+            outputs, timing = current.run_frame(x)
         except ServerError as exc:
             if inflight.stopped.is_set():
                 result.error = f"the run stopped ({exc})"
@@ -87,7 +87,7 @@ def run_one(health: Health, inflight, frame: Frame) -> FrameResult:
             result.error = str(exc)
             break
         now = time.perf_counter()
-        result.output, result.error = output, None  # an earlier try's failure was recovered from
+        result.outputs, result.error = outputs, None  # an earlier try's failure was recovered from
         result.latency = now - began
         timeline(result, timing, current.plan, now - timing.latency - began, recovered_from)
         health.observe(current, timing)

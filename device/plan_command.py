@@ -19,7 +19,7 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
-from deepco.planning.staged import DEVICE, StagedPlan
+from deepco.planning.staged import DEVICE, StagedPlan, split_shares
 from deepco.wire import security
 
 STAGED = ("auto", "local", "offload", "round-robin")  # the staged planner's plans (auto: calibrated on the servers)
@@ -52,10 +52,14 @@ def run(args: argparse.Namespace) -> int:
             rows = {} if staged else {"cut": asdict(dev.cut)}
             out = {"model": args.model, "input_size": [height, width], **rows, "measured": dev.measured.to_dict()}
             rows = {} if staged else {"plan": plan.breakdown["rows"]}
-            print(json.dumps(out | rows | {"staged": plan.to_dict()}))
+            print(json.dumps(out | rows | {"staged": plan.to_dict(), "split_share": split_shares(plan, dev.costs)}))
         elif staged:
             print(dev.describe_measurements())
             print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, {planner.fps(plan):.2f} fps")
+            share = split_shares(plan, dev.costs)
+            print(f"split share: this plan runs {share['plan']:.1%} of the FLOPs on row bands; single-tensor cuts "
+                  f"reach {share['single_tensor_cuts']:.1%}, stages across scales {share['across_scales']:.1%} "
+                  "(deepco partition lists their levels)")
         else:
             print(dev.describe_plan())
     return 0

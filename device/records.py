@@ -117,11 +117,11 @@ class ServerTiming:
 
 @dataclass
 class FrameResult:
-    """One frame's output (or error) and its timeline: ``latency`` is the frame's compute latency (from entering
+    """One frame's outputs (or error) and its timeline: ``latency`` is the frame's compute latency (from entering
 the pipeline to its result), ``capture_to_result`` the age of its result when delivered (from its capture)."""
 
     index: int  # the frame's index in the source (a live source's dropped frames leave gaps)
-    output: np.ndarray | None = None
+    outputs: dict[str, np.ndarray] | None = None  # every output of the model by name, in its order
     error: str | None = None
     latency: float = 0.0
     dispatch: float = 0.0  # from the last slice's return to the start of stitching (thread hand-over)
@@ -131,6 +131,15 @@ the pipeline to its result), ``capture_to_result`` the age of its result when de
     staged: FrameTiming | None = None  # the runner's own timing of the try that succeeded
     captured: float | None = None  # when the frame was captured (perf_counter; device.feed)
     delivered: float | None = None  # when its result left the pipeline, in order (perf_counter)
+
+    @property
+    def output(self) -> np.ndarray | None:
+        """The output of a one-output model (None after an error); ValueError naming them if there are several."""
+        if self.outputs is None:
+            return None
+        if len(self.outputs) != 1:
+            raise ValueError(f"the model has {len(self.outputs)} outputs ({', '.join(self.outputs)}): read outputs")
+        return next(iter(self.outputs.values()))
 
     @property
     def capture_to_result(self) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
     p.add_argument("--algorithm", default="auto",
                    choices=["auto", "local", "offload", "thread", "thread-sa", "single", "equal"],
-                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like or "
-                        "fused hybrids, docs/usage.md); local: the device alone; offload: the whole model on the best "
-                        "server; thread/thread-sa/single: the paper's planners (tail on the device); equal: every "
-                        "server, equal rows (a naive baseline)")
+                   help="auto (default): the staged planner's fastest plan (local, offload, THREAD, MoDNN-like, "
+                        "fused hybrids or one stage across scales, docs/usage.md); local: the device alone; "
+                        "offload: the whole model on the best server; thread/thread-sa/single: the paper's planners "
+                        "(tail on the device); equal: every server, equal rows (a naive baseline)")
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
@@ -60,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source-fps", type=float, default=None, metavar="N",
                    help="play a video file, image or directory as a live source at N frames per second (a real "
                         "clock: frame i is captured at i/N s), for tests and benchmarks")
-    p.add_argument("--save-outputs", metavar="FILE.npz", help="write inputs and outputs for checking")
+    p.add_argument("--save-outputs", metavar="FILE.npz",
+                   help="write inputs and outputs for checking: 'inputs', and 'outputs' (a one-output model) or "
+                        "'outputs/<name>' for every output of the model; a failed frame's rows are NaN")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
     p.add_argument("--give-up-after", type=float, default=GIVE_UP_AFTER, metavar="SECONDS",
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
-    shown = Outputs(how.output, args.output_dir)
+    shown = Shown(how.output, args.output_dir)
     saved = Saved(args.save_outputs)
     log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed below
     try:
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 if result.error is not None:
                     print(f"frame {result.index}: ERROR {result.error}", flush=True)
                     continue
-                shown_output = shown.frame(result.index, result.output)
+                shown_output = shown.frame(result.index, result.outputs)
                 if watch is not None and (line := watch.observe(result.latency)):
                     print(line, flush=True)
                 if not args.quiet:
@@ -221,26 +224,42 @@ def _seeded(model: str, weights: str | None) -> bool:
     return model in SEEDED
 
 
-class Outputs:
-    """What `deepco run` does with each frame's output: top labels, a saved tensor (raw), or its shape."""
+def file_names(names: list[str]) -> dict[str, str]:
+    """Each output's name as a part of a file name: what is not a letter, digit, '.', '-' or '_' becomes '_',
+    and names that would then clash get their output's index appended."""
+    safe = {name: re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "output" for name in names}
+    taken = list(safe.values())
+    return {name: s if taken.count(s) == 1 else f"{s}-{k}" for k, (name, s) in enumerate(safe.items())}
+
+
+class Shown:
+    """What `deepco run` does with each frame's outputs: top labels, saved tensors (raw), or their shapes."""
 
     def __init__(self, mode: str, directory: str):
         self.mode, self.directory = mode, Path(directory)
         self.noise = False
 
-    def frame(self, index: int, output: np.ndarray) -> str:
-        """Show or save one frame's output; the text for its line."""
+    def frame(self, index: int, outputs: dict[str, np.ndarray]) -> str:
+        """Show or save one frame's outputs; the text for its line. ``--output raw`` writes one file per output:
+        ``frame-NNNNNN.npy`` for a one-output model, else ``frame-NNNNNN-<name>.npy``."""
         from deepco_device.preprocess import top_labels
 
-        mode = self.mode if self.mode != "auto" else ("labels" if output.size == 1000 else "shape")
-        if mode == "labels":
-            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(output, 3))
+        only = next(iter(outputs.values())) if len(outputs) == 1 else None
+        mode = self.mode if self.mode != "auto" else ("labels" if only is not None and only.size == 1000 else "shape")
+        if mode == "labels" and only is not None:
+            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(only, 3))
             return f"random weights: {labels}" if self.noise else labels
-        described = (f"output {'x'.join(map(str, output.shape))} {output.dtype} in "
-                     f"[{float(output.min()):.3g}, {float(output.max()):.3g}]")
-        if mode == "shape":
-            return described + " (--output raw saves it)"
+        described = [(name, f"{'output' if only is not None else name} {'x'.join(map(str, y.shape))} {y.dtype} in "
+                            f"[{float(y.min()):.3g}, {float(y.max()):.3g}]") for name, y in outputs.items()]
+        text = "; ".join(d for _, d in described)
+        if mode != "raw":
+            return text + f" (--output raw saves {'it' if only is not None else 'them'})"
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"frame-{index:06d}.npy"
-        np.save(path, output)
-        return f"{described} -> {path}"
+        shown = []
+        files = file_names(list(outputs))
+        for name, what in described:
+            suffix = "" if only is not None else f"-{files[name]}"
+            path = self.directory / f"frame-{index:06d}{suffix}.npy"
+            np.save(path, outputs[name])
+            shown.append(f"{what} -> {path}")
+        return "; ".join(shown)

@@ -71,12 +71,12 @@ class Report:
 
 class Saved:
     """``--save-outputs``: the inputs of the frames that entered the pipeline (dropped ones never did) and
-    their outputs (NaN for a failed frame), written as one .npz."""
+    their outputs (NaN rows for a failed frame), written as one .npz (`saved_outputs`)."""
 
     def __init__(self, path: str | None):
         self.path = path
         self.inputs: list[np.ndarray] = []
-        self.outputs: list[np.ndarray] = []
+        self.outputs: list[dict[str, np.ndarray] | None] = []  # per frame, None for a failed one
 
     def input(self, x: np.ndarray) -> None:
         """A frame entering (in order: the pipeline takes frames one at a time)."""
@@ -85,13 +85,8 @@ class Saved:
 
     def output(self, result: FrameResult) -> None:
         """A frame's result, in order."""
-        if not self.path:
-            return
-        if result.error is None:
-            self.outputs.append(result.output)
-        else:
-            last = self.outputs[-1] if self.outputs else np.array([np.nan])
-            self.outputs.append(np.full_like(last, np.nan))
+        if self.path:
+            self.outputs.append(result.outputs if result.error is None else None)
 
     def write(self, channels: int, height: int, width: int) -> None:
         """Write the file (nothing without ``--save-outputs``)."""
@@ -99,4 +94,19 @@ class Saved:
             return
         empty = np.zeros((0, channels, height, width))
         np.savez(self.path, inputs=np.concatenate(self.inputs) if self.inputs else empty,
-                 outputs=np.concatenate(self.outputs) if self.outputs else np.zeros((0,)))
+                 **saved_outputs(self.outputs))
+
+
+def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+    """The --save-outputs arrays of every frame's outputs (None: a failed frame, NaN rows): ``outputs`` for a
+    one-output model, else ``outputs/<name>`` for each output; nothing succeeded: ``outputs``, empty."""
+    first = next((f for f in frames if f is not None), None)
+    if first is None:
+        return {"outputs": np.zeros((0,))}
+    keys = {name: "outputs" if len(first) == 1 else f"outputs/{name}" for name in first}
+
+    def failed(like: np.ndarray) -> np.ndarray:
+        return np.full(like.shape, np.nan, dtype=like.dtype if like.dtype.kind == "f" else np.float64)
+
+    return {keys[name]: np.concatenate([f[name] if f is not None else failed(like) for f in frames])
+            for name, like in first.items()}

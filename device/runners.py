@@ -1,7 +1,7 @@
 """The staged runtime: a runner per plan kind executes a `deepco.planning.staged.StagedPlan` frame by frame.
 
     runner = StagedRunner(dev, plan)                 # the runner of plan.kind (RUNNERS); uploads what it needs
-    output, timing = runner.run_frame(px)            # px: 1x3xHxW uint8 pixels; timing: a FrameTiming
+    outputs, timing = runner.run_frame(px)           # px: 1x3xHxW uint8 pixels; outputs: every output by name
     for result in runner.run_frames(frames, depth=2): ...          # pipelined, with failover
 
 `LocalRunner` runs the whole model on the device, `OffloadRunner` on one server, `RoundRobinRunner` deals
@@ -9,8 +9,9 @@ whole frames to its servers in turn (an offload runner each), and `SplitRunner` 
 SplitRun job per participant (server/split_jobs.py): the device sends each participant its input (the window of
 the image for segment 1 with lookahead, else its band) over its antenna, in the plan's order; the servers run
 their segments, exchange halo rows directly, and either return their bands (the device stitches them and
-runs the tail) or send them to the participant that runs the tail, which returns the model's output. The
-device never re-derives the plan: rows, windows, crops, antennas and order all come from it.
+runs the tail) or send them to the participant that runs the tail, which returns the model's outputs. Every
+runner returns every output of the model, by name, each checked against the model when a server made it
+(device/answers.py). The device never re-derives the plan: rows, windows, crops, antennas and order all come from it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import grpc
 import numpy as np
 from deepco_device import pipeline
-from deepco_device.answers import check_rows, check_tensor, only_output, value_dtype, value_shape
+from deepco_device.answers import Outputs, check_named_rows, check_outputs, check_rows, output_specs, value_dtype
 from deepco_device.backpressure import while_busy
 from deepco_device.feed import Feed
 from deepco_device.giveup import GiveUp
@@ -40,8 +41,8 @@ from deepco_device.records import FrameResult, FrameTiming, ServerStep
 from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
 from deepco.wire import deepco_service_pb2 as dpb
-from deepco.wire.client import ServerError, SplitJob
-from deepco.wire.split_jobs import from_rows, job_request, rows_shape
+from deepco.wire.client import ServerError, SplitJob, WrongAnswer
+from deepco.wire.split_jobs import job_request
 
 if TYPE_CHECKING:
     from deepco_device.session import Device
@@ -131,9 +132,9 @@ class StagedRunner:
         raise NotImplementedError
 
     # ---- one frame ------------------------------------------------------------------------------------
-    def run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
-        """One frame (1xCxHxW uint8 pixels): (the model's output, its timing). Raises ServerError naming the
-        server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other frames' jobs
+    def run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
+        """One frame (1xCxHxW uint8 pixels): (every output of the model by name, its timing). Raises ServerError
+        naming the server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other frames' jobs
         hold its threads) is waited for with backoff, up to the runner's timeout."""
         try:
             return while_busy(lambda: self._run_frame(x), self.timeout, stop=self._inflight.stopped)
@@ -186,11 +187,12 @@ class LocalRunner(StagedRunner):
     def _prepare(self) -> None:
         self.whole = _session(self.device.model.SerializeToString())
         self.whole_input = self.whole.get_inputs()[0].name
+        self.output_names = [o.name for o in self.whole.get_outputs()]
 
-    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+    def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
-        output = self.whole.run(None, {self.whole_input: x})[0]
-        return output, FrameTiming(latency=time.perf_counter() - start, compute=time.perf_counter() - start)
+        outputs = dict(zip(self.output_names, self.whole.run(None, {self.whole_input: x}), strict=True))
+        return outputs, FrameTiming(latency=time.perf_counter() - start, compute=time.perf_counter() - start)
 
 
 class OffloadRunner(StagedRunner):
@@ -202,10 +204,9 @@ class OffloadRunner(StagedRunner):
         dev = self.device
         self.whole_name = self._upload(self.plan.servers[0], dev.partitioner.whole().SerializeToString())
         self.whole_input = dev.model.graph.input[0].name
-        self.output_shape = value_shape(dev.model.graph.output[0])  # what the server's answer must be
-        self.output_dtype = value_dtype(dev.model.graph.output[0])
+        self.output_specs = output_specs(dev.model)  # what the server's answer must be
 
-    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+    def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
         server, antenna = self.plan.servers[0], self.plan.antennas[0]
         client = self.device.client(self.index[server], antenna)
@@ -224,10 +225,9 @@ class OffloadRunner(StagedRunner):
             for call in calls:
                 self._inflight.discard(call)
         what = f"the output of {server}"
-        output = check_tensor(only_output(outputs, what, client.address), self.output_shape, self.output_dtype,
-                              what, client.address)
-        return output, FrameTiming(latency=time.perf_counter() - start, sent=sent, compute=compute, queue=queued,
-                                   server=server)
+        checked = check_outputs(outputs, self.output_specs, what, client.address)
+        return checked, FrameTiming(latency=time.perf_counter() - start, sent=sent, compute=compute, queue=queued,
+                                    server=server)
 
 
 class RoundRobinRunner(StagedRunner):
@@ -252,7 +252,7 @@ class RoundRobinRunner(StagedRunner):
             turn.close()
         super().close()
 
-    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+    def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         with self._turn_lock:
             turn = self.turns[next(self._next) % len(self.turns)]
         return turn._run_frame(x)
@@ -294,13 +294,13 @@ class SplitRunner(StagedRunner):
         last = p.cut(plan.levels[-1])
         self.band_shape = (1, last.channels, None, last.width)
         self.band_dtype = value_dtype(tail.graph.input[0])
-        self.output_shape = value_shape(tail.graph.output[0])
-        self.output_dtype = value_dtype(tail.graph.output[0])
+        self.output_specs = output_specs(tail)
         if plan.tail is None:
             if "tail_session" not in parts:
                 parts["tail_session"] = _session(parts["tail_bytes"])
             self.tail = parts["tail_session"]
             self.tail_input = self.tail.get_inputs()[0].name
+            self.tail_outputs = [o.name for o in self.tail.get_outputs()]
             self.tail_name = ""
         else:
             self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
@@ -316,7 +316,7 @@ class SplitRunner(StagedRunner):
                            lookahead=plan.lookahead, tail=plan.servers.index(plan.tail) if plan.tail else None,
                            tail_model=self.tail_name)
 
-    def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
+    def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
         with contextlib.ExitStack() as calls:
             remote = [i for i in range(len(self.plan.servers)) if self.plan.servers[i] != DEVICE]
@@ -327,9 +327,9 @@ class SplitRunner(StagedRunner):
                 else None
             self._collect_all(sends, start, remote, results)
             collected = time.perf_counter()
-            output, began, tail_seconds = self._finish(results, own_band, collected)
+            outputs, began, tail_seconds = self._finish(results, own_band, collected)
             end = time.perf_counter()
-            return output, FrameTiming(latency=end - start, sent=sent, collected=collected - start,
+            return outputs, FrameTiming(latency=end - start, sent=sent, collected=collected - start,
                                        stitch=began - collected, tail=tail_seconds,
                                        servers=self._steps(sends, results))
 
@@ -417,16 +417,15 @@ class SplitRunner(StagedRunner):
             raise
 
     def _finish(self, results: dict[int, tuple[dpb.SplitResult, float]], own_band: Any,
-                collected: float) -> tuple[np.ndarray, float, float]:
-        """The model's output from the participants' results: the tail participant's, or the bands stitched
-        and the tail run on the device. (output, when the tail began, the tail's seconds)."""
+                collected: float) -> tuple[Outputs, float, float]:
+        """The model's outputs from the participants' results: the tail participant's, or the bands stitched
+        and the tail run on the device. (outputs, when the tail began, the tail's seconds)."""
         dev, plan = self.device, self.plan
         if plan.tail is not None:
             c = plan.servers.index(plan.tail)
             address = dev.client(self.index[plan.tail], 0).address
-            wire = rows_shape(self.output_shape)
-            array = check_rows(results[c][0].output, 0, wire, self.output_dtype, f"the output of {plan.tail}", address)
-            return from_rows(array, len(self.output_shape)), collected, 0.0
+            outputs = check_named_rows(results[c][0].outputs, self.output_specs, f"the output of {plan.tail}", address)
+            return outputs, collected, 0.0
         pieces = []
         for i, server in enumerate(plan.servers):
             if server == DEVICE:
@@ -438,8 +437,8 @@ class SplitRunner(StagedRunner):
                                      dev.client(self.index[server], 0).address))
         stitched = np.ascontiguousarray(np.concatenate(pieces, axis=2))
         began = time.perf_counter()
-        output = self.tail.run(None, {self.tail_input: stitched})[0]
-        return output, began, time.perf_counter() - began
+        outputs = dict(zip(self.tail_outputs, self.tail.run(None, {self.tail_input: stitched}), strict=True))
+        return outputs, began, time.perf_counter() - began
 
     def _steps(self, sends: _Sends, results: dict[int, tuple[dpb.SplitResult, float]]) -> tuple[ServerStep, ...]:
         plan = self.plan
@@ -456,9 +455,68 @@ class SplitRunner(StagedRunner):
         return tuple(steps)
 
 
+class ScalesRunner(SplitRunner):
+    """A plan across scales (deepco.planning.staged.scales_plan): every participant runs the stage from the
+    image to a level of several tensors (a U-Net's or a detector's scales, skips included) on the window of
+    the image it is sent, and returns its band of every tensor by name; the device checks each band against
+    the plan, stitches every tensor and runs the rest of the model. Sending and collecting are a split's."""
+
+    kind = "scales"
+
+    def _prepare(self) -> None:
+        dev, plan = self.device, self.plan
+        parts = _level_models(dev, plan.levels[0])
+        stage = parts["stage"]
+        self.segment_names = []
+        for server in plan.servers:
+            self.segment_names = [self._upload(server, parts["stage_bytes"])]
+        g = dev.partitioner.graph
+        dtypes = {o.name: value_dtype(o) for o in stage.model.graph.output}
+        # what each participant's band of tensor t must be: (channels, width, data type)
+        self.bands_of = {t: (g.shapes[t][1], g.hw[t][1], dtypes[t]) for t in stage.outputs}
+        self.tail = parts["tail_session"]
+        self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
+        self.row_bytes = dev.channels * dev.width * g.itemsize
+        self.tail_name = ""
+
+    def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
+        """Participant ``i``'s request: its window of the image, and the bands of every tensor of the level."""
+        plan = self.plan
+        tensors = [(t, plan.tensors[t]["owned"], plan.tensors[t]["crop"]) for t in self.bands_of]
+        return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
+                           windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
+                           lookahead=True, tail=None, tail_model="", tensors=tensors)
+
+    def _finish(self, results: dict[int, tuple[dpb.SplitResult, float]], own_band: Any,
+                collected: float) -> tuple[Outputs, float, float]:
+        """Every tensor of the level stitched from the participants' checked bands; the rest of the model on
+        them (the level holds the model's outputs themselves when there is no rest)."""
+        dev, plan = self.device, self.plan
+        pieces: dict[str, list[np.ndarray]] = {t: [] for t in self.bands_of}
+        for i, server in enumerate(plan.servers):
+            address = dev.client(self.index[server], 0).address
+            bands = {m.name: m.rows for m in results[i][0].outputs}
+            if sorted(bands) != sorted(pieces) or len(results[i][0].outputs) != len(pieces):
+                raise WrongAnswer(address, f"the bands of {server} are of tensors {sorted(bands)[:8]}, expected "
+                                           f"{sorted(pieces)[:8]}")
+            for t, (channels, width, dtype) in self.bands_of.items():
+                a, b = plan.tensors[t]["owned"][i]
+                pieces[t].append(check_rows(bands[t], a, (1, channels, b - a, width), dtype,
+                                            f"the band of {t!r} from {server}", address))
+        level = {t: np.ascontiguousarray(np.concatenate(p, axis=2)) for t, p in pieces.items()}
+        began = time.perf_counter()
+        if self.tail is None:
+            outputs = {o: level[o] for o in dev.partitioner.graph.outputs}
+        else:
+            names = [o.name for o in self.tail.get_outputs()]
+            feeds = {i.name: level[i.name] for i in self.tail.get_inputs()}
+            outputs = dict(zip(names, self.tail.run(None, feeds), strict=True))
+        return outputs, began, time.perf_counter() - began
+
+
 # The one place a plan's kind picks code: its runner.
 RUNNERS: dict[str, type[StagedRunner]] = {r.kind: r for r in (LocalRunner, OffloadRunner, RoundRobinRunner,
-                                                              SplitRunner)}
+                                                              SplitRunner, ScalesRunner)}
 
 
 def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
@@ -473,6 +531,22 @@ def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
         parts = {"segments": [seg.model.SerializeToString() for seg in segments], "tail": tail,
                  "tail_bytes": tail.SerializeToString()}
         device.stage_models[levels] = parts
+    return parts
+
+
+def _level_models(device: Device, level: str) -> dict[str, Any]:
+    """The stage from the image to ``level`` (deepco.partition.levels; its model's bytes) and an ORT session
+    of the rest of the model from the level's tensors (None when the level holds every output), once per
+    device."""
+    key = ("scales", level)
+    parts = device.stage_models.get(key)
+    if parts is None:
+        p = device.partitioner
+        stage = p.stages([level])[0]
+        tail = p.level_tail(level)
+        parts = {"stage": stage, "stage_bytes": stage.model.SerializeToString(),
+                 "tail_session": None if tail is None else _session(tail.SerializeToString())}
+        device.stage_models[key] = parts
     return parts
 
 

@@ -4,7 +4,7 @@ the paper's (deepco.planning.paper_plans) and MoDNN's).
     dev = Device(cluster, "resnet18", 720, 1280); dev.setup()      # measure, and the paper's plan (dev.plan)
     planner = StagedPlanner(dev)                                   # the exact cost model on dev's measurements
     runner = StagedRunner(dev, planner.best())                     # uploads what the plan needs
-    output, timing = runner.run_frame(px)                          # px: 1x3xHxW uint8 pixels
+    outputs, timing = runner.run_frame(px)                         # every output of the model, by name
     for result in runner.run_frames(frames, depth=2): ...          # pipelined, with failover
 
 The runners, one per plan kind, are in device/runners.py; the planner and calibration's callbacks in

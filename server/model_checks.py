@@ -10,7 +10,8 @@ may take, checked before it runs.
   must give every tensor of the graph a static shape, and the bytes of the tensors alive at once (running
   the nodes in order) must stay under the ``--max-request-bytes`` budget. A tensor whose size depends on
   input *values* (ConstantOfShape, Expand, Tile, Range, Resize fed by an input) has no static shape, so a
-  93-byte model cannot ask for 14 GB.
+  93-byte model cannot ask for 14 GB. Sizes computed from input *shapes* are folded to constants first
+  (deepco.partition.shapes.fold_request_shapes), so a PyTorch U-Net's shape-derived Pad or Resize passes.
 - Fixed-size elements only (:func:`check_fixed_size_elements`): a string (or a sequence, map or optional)
   has no size its shape gives, so the bound cannot count it (a 925-byte model cast its input to STRING and
   doubled it with StringConcat 27 times: 2.5 GB from a 4-byte request). Such a model is refused at load,
@@ -22,6 +23,7 @@ may take, checked before it runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
@@ -31,6 +33,8 @@ import onnx
 from deepco_server.errors import InvalidArgument, ResourceExhausted, invalid
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, shape_inference
+
+from deepco.partition.shapes import fold_request_shapes
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 30  # tensors of one request alive at once (inputs, intermediates, outputs)
 SMALL_INITIALIZER_BYTES = 4096  # kept in the shape-inference skeleton: shapes, pads, axes live in these
@@ -271,6 +275,12 @@ class SizeBound:
                     dim.Clear()
                     dim.dim_value = size
         shown = _shapes(tuple(shapes.items()))
+        # At these input shapes, sizes computed from shapes are constants (a PyTorch U-Net's F.pad by the size
+        # difference: Shape -> Gather -> Sub -> Div -> ... -> Pad, whose Div ONNX's data propagation does not
+        # follow): folded, such a Pad or Resize has a static output. A graph the folding cannot read is left as
+        # it is: the inference below says why.
+        with contextlib.suppress(Exception):
+            model = fold_request_shapes(model)
         try:
             inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
         except Exception as exc:  # onnx raises InferenceError and others; any of them: not boundable

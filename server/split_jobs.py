@@ -8,7 +8,9 @@ tables of every level (see deepco.planning.bands). For each segment j the server
      mailbox here;
   3. assembles its window, runs segment j, and crops its band of level j.
 Both sides compute what flows from the same tables with the same functions, so a message is expected
-exactly when it is sent.
+exactly when it is sent. A job whose level has several tensors (a U-Net's or a detector's scales, SplitLevel
+.tensors) is one segment from the image with lookahead: nothing is exchanged, and the server returns its band
+of every tensor by name.
 
 Peers may send rows before this server has received its own SplitRun (the device sends the image bands
 one after another over an antenna), so a mailbox is created by whichever comes first; one never claimed
@@ -56,7 +58,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.security import make_channel
-from deepco.wire.split_jobs import gatherer, to_rows
+from deepco.wire.split_jobs import gatherer, named_rows
 from deepco.wire.tensors import TensorError
 
 MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
@@ -261,6 +263,8 @@ class Job:
     lookahead: bool = False  # `image` is this server's whole window for segment 1: no level-0 exchange
     gather_to: int | None = None  # the server that gathers the last level and runs `tail` (None: the device)
     tail: object | None = None  # LoadedModel
+    # a last level of several tensors (one stage, lookahead): (name, band per server, crop per server) each
+    tensors: list[tuple[str, list[tuple[int, int]], list[int]]] = field(default_factory=list)
 
     def receives(self, level: int) -> dict[int, tuple[int, int]]:
         """Rows of ``level`` this server gets from each peer before segment ``level`` + 1."""
@@ -336,8 +340,9 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
         if len(crops[j]) != len(peers) or any(c < 0 for c in crops[j]):
             raise invalid(f"SplitRun: level {j} needs one non-negative crop per server")
     models = [registry.get(name, owner=owner) for name in request.segment_models]
+    tensors = _level_tensors(request, models[0], len(peers))
     for model in models:
-        if len(model.inputs) != 1 or len(model.outputs) != 1:
+        if len(model.inputs) != 1 or len(model.outputs) != 1 and not tensors:
             raise invalid(f"SplitRun: segment model {model.name!r} must have one input and one output")
     try:
         image, start = decode_rows(request.input, "SplitRun input")
@@ -360,7 +365,7 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
         if len(tail.inputs) != 1:
             raise invalid(f"SplitRun: tail model {tail.name!r} must have one input")
     result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
-                 tail)
+                 tail, tensors)
     talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
     if gather_to is not None:
         talks_to |= {gather_to} if gather_to != me else set(range(len(peers))) - {me}
@@ -375,6 +380,36 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
             raise PermissionDenied(f"SplitRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
                                    "it with --peers listing its split-job peers (loopback is always allowed)")
     return result
+
+
+def _level_tensors(request: dpb.SplitRequest, segment, servers: int) -> list[tuple[str, list[tuple[int, int]],
+                                                                                   list[int]]]:
+    """The checked tensors of a last level of several (SplitLevel.tensors): only as one stage from the image
+    with lookahead whose bands go back to the device, each an output of ``segment`` listed once, its bands
+    tiling its rows, one band and one non-negative crop per server."""
+    listed = request.levels[-1].tensors
+    if not listed and not any(level.tensors for level in request.levels):
+        return []
+    if any(level.tensors for level in request.levels[:-1]) or len(request.levels) != 2 or not request.lookahead \
+            or request.gather_to:
+        raise invalid("SplitRun: a level of several tensors runs as one stage from the image with lookahead, its "
+                      "bands returned to the device")
+    outputs = {o.name for o in segment.outputs}
+    tensors: list[tuple[str, list[tuple[int, int]], list[int]]] = []
+    for t in listed:
+        if t.name not in outputs or any(t.name == name for name, _, _ in tensors):
+            raise invalid(f"SplitRun: level tensor {t.name[:80]!r} is not an output of segment model "
+                          f"{segment.name!r}, or is listed twice")
+        owned, crop = [_interval(r) for r in t.owned], [int(c) for c in t.crop]
+        if len(owned) != servers or len(crop) != servers or any(c < 0 for c in crop):
+            raise invalid(f"SplitRun: level tensor {t.name[:80]!r} needs one band and one non-negative crop per "
+                          "server")
+        try:
+            check_tables([owned], [[]], [owned[-1][1]])
+        except PlanningError as exc:
+            raise invalid(f"SplitRun: level tensor {t.name[:80]!r}: {exc}") from None
+        tensors.append((t.name, owned, crop))
+    return tensors
 
 
 class SplitJobs:
@@ -430,6 +465,8 @@ class SplitJobs:
     def run(self, job: Job, active: Callable[[], bool]) -> dpb.SplitResult:
         """Run a claimed job to its band of the last level (see the module doc); ``active`` says whether the
         client still waits for it (its waits end CANCELLED once not)."""
+        if job.tensors:
+            return self._run_level(job)
         result = dpb.SplitResult()
         outgoing: dict[int, Outgoing] = {}
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
@@ -481,8 +518,7 @@ class SplitJobs:
             elif job.gather_to != job.me:
                 self._send_band(job, band, outgoing, result, deadline_total)
             else:
-                result.output.CopyFrom(encode_rows(self._gather_and_finish(job, band, outgoing, result, active),
-                                                   0))
+                result.outputs.extend(self._gather_and_finish(job, band, outgoing, result, active))
             for out in outgoing.values():
                 out.finish(job.timeout)
             ok = True
@@ -491,6 +527,25 @@ class SplitJobs:
             if not ok:
                 for out in outgoing.values():
                     out.cancel()
+
+    def _run_level(self, job: Job) -> dpb.SplitResult:
+        """A job to a level of several tensors: its one segment on the image window it was sent (lookahead:
+        nothing to exchange), and this server's band of every tensor, by name (SplitResult.outputs)."""
+        result = dpb.SplitResult()
+        model = job.models[0]
+        queued = time.perf_counter()
+        with self.state.admission.waiting(job.timeout):
+            started = time.perf_counter()
+            output = model.run({model.inputs[0].name: job.image}, [name for name, _, _ in job.tensors])
+            result.compute_seconds += time.perf_counter() - started
+        result.queue_seconds += started - queued
+        for name, owned, crop in job.tensors:
+            y, (a, b), c = output[name], owned[job.me], crop[job.me]
+            if y.ndim != 4 or c + (b - a) > y.shape[2]:
+                raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {list(y.shape)} for {name[:80]!r}; "
+                              f"crop {c} + band {b - a} does not fit")
+            result.outputs.add(name=name, rows=encode_rows(np.ascontiguousarray(y[:, :, c:c + b - a]), a))
+        return result
 
     def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.SplitResult,
                    deadline: float) -> None:
@@ -505,8 +560,9 @@ class SplitJobs:
         result.bytes_sent += piece.nbytes
 
     def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
-                           result: dpb.SplitResult, active: Callable[[], bool]) -> np.ndarray:
-        """Every peer's band of the last level, stitched with ours, through the tail model: the output."""
+                           result: dpb.SplitResult, active: Callable[[], bool]) -> list[dpb.NamedRows]:
+        """Every peer's band of the last level, stitched with ours, through the tail model: every output of
+        the model, by name."""
         last = len(job.models)
         pieces = [(job.bands[-1][job.me][0], band)]
         waited = time.perf_counter()
@@ -522,11 +578,11 @@ class SplitJobs:
         with self.state.admission.waiting(job.timeout):
             started = time.perf_counter()
             tail.check_inputs({tail.inputs[0].name: whole})
-            output = tail.run({tail.inputs[0].name: whole}, [tail.outputs[0].name])[tail.outputs[0].name]
+            outputs = tail.run({tail.inputs[0].name: whole}, [o.name for o in tail.outputs])
             result.compute_seconds += time.perf_counter() - started
         result.queue_seconds += started - queued
         try:
-            return np.ascontiguousarray(to_rows(output))
+            return named_rows(outputs)
         except ValueError as exc:
             raise invalid(f"SplitRun: the tail's output: {exc}") from None
 

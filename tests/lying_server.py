@@ -76,7 +76,11 @@ def lying_servicer(lie: str) -> type[DeepcoServicer]:
         def SplitRun(self, request, context):  # noqa: N802 (gRPC's name)
             for event in super().SplitRun(request, context):
                 if lying.is_set() and event.WhichOneof("event") == "split_result":
-                    event.split_result.output.CopyFrom(lie_in_rows(event.split_result.output, lie))
+                    result = event.split_result
+                    for named in result.outputs:  # a gatherer's outputs of the model
+                        named.rows.CopyFrom(lie_in_rows(named.rows, lie))
+                    if not result.outputs:
+                        result.output.CopyFrom(lie_in_rows(result.output, lie))
                 yield event
 
     return Lying

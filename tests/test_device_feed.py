@@ -94,7 +94,7 @@ class FakeRunner:
 
     def run_frame(self, x: np.ndarray):
         self.on_frame(int(x[0, 0, 0, 0]))
-        return x.astype(np.float32) * 2, FrameTiming(latency=0.0)
+        return {"y": x.astype(np.float32) * 2}, FrameTiming(latency=0.0)
 
 
 def fake_health(runner) -> SimpleNamespace:
@@ -180,7 +180,7 @@ def test_the_run_report_logs_drops_and_capture_to_result_and_counts_them_in_the_
     t0 = report.start
     report.dropped([Dropped(1, t0 + 0.1, t0 + 0.2)], quiet=False)
     for index, latency, captured, delivered in [(0, 0.04, 0.0, 0.06), (2, 0.05, 0.2, 0.3)]:
-        report.frame(FrameResult(index, output=np.zeros(3), latency=latency, captured=t0 + captured,
+        report.frame(FrameResult(index, outputs={"y": np.zeros(3)}, latency=latency, captured=t0 + captured,
                                  delivered=t0 + delivered))
     report.finish()
     assert report.summary() == 0

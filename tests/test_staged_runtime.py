@@ -45,7 +45,8 @@ def reference(dev: Device, px: np.ndarray) -> np.ndarray:
 
 def check(dev: Device, runner, px: np.ndarray) -> None:
     want = reference(dev, px)
-    got, _ = runner.run_frame(px)
+    outputs, _ = runner.run_frame(px)
+    (got,) = outputs.values()
     assert got.shape == want.shape
     error = float(np.abs(got - want).max()) / float(np.abs(want).max())
     assert error < 1e-4, f"{runner.plan.describe()}: relative error {error:.2e}"

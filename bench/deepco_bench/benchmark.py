@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from deepco_device.answers import relative_error
 from deepco_device.feed import LiveFeed
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
@@ -110,13 +111,14 @@ class Runner:
             return None
         return pipelined(self.plan, self.planner.costs, self.planner.rates(), depth)[0]
 
-    def frame(self, px: np.ndarray) -> tuple[np.ndarray, float]:
-        """Run one frame alone."""
+    def frame(self, px: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Run one frame alone: (every output by name, seconds)."""
         start = time.perf_counter()
-        output, _ = self.impl.run_frame(px)
-        return output, time.perf_counter() - start
+        outputs, _ = self.impl.run_frame(px)
+        return outputs, time.perf_counter() - start
 
-    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[np.ndarray], list[float]]:
+    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[dict[str, np.ndarray]],
+                                                                       list[float]]:
         """Sustained frames per second with ``depth`` frames in flight, the outputs and each frame's latency."""
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=depth) as pool:
@@ -158,12 +160,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         runners = {a: Runner(a, device, peer, plans) for a in algorithms}
         px = photo_pixels(h, w, how)
         whole = ort.InferenceSession(device.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
-        reference = whole.run(None, {whole.get_inputs()[0].name: normalise(px, how)})[0]
-        scale = float(np.abs(reference).max()) or 1.0
+        names = [o.name for o in whole.get_outputs()]
+        reference = dict(zip(names, whole.run(None, {whole.get_inputs()[0].name: normalise(px, how)}), strict=True))
         worst = {a: 0.0 for a in algorithms}
 
-        def check(algorithm: str, output: np.ndarray) -> None:
-            worst[algorithm] = max(worst[algorithm], float(np.abs(output - reference).max()) / scale)
+        def check(algorithm: str, outputs: dict[str, np.ndarray]) -> None:
+            worst[algorithm] = max(worst[algorithm], relative_error(outputs, reference))
 
         for _ in range(WARMUP_FRAMES):
             for a in algorithms:
@@ -210,7 +212,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 entry["plan_text"] = device.describe_plan(r.plan)
             results[a] = entry
         measured = device.measured.to_dict() | {"step_overhead": planner.step_overhead}
-        extras = deadlines(args, planner, runners, results, px, lambda output: check("auto", output))
+        extras = deadlines(args, planner, runners, results, px, lambda outputs: check("auto", outputs))
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,
                 "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results} | extras
 
@@ -267,7 +269,7 @@ def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: 
         if result.error is not None:
             failed += 1
             continue
-        check(result.output)
+        check(result.outputs)
         ages.append(result.capture_to_result)
         latencies.append(result.latency)
     third = max(1, len(ages) // 3)

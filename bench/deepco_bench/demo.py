@@ -171,11 +171,12 @@ def worker(spec_path: str) -> int:
             latencies, outs = [], []
             began = time.perf_counter()
             for px in frames:
-                output, timing = runner.run_frame(px)
+                got, timing = runner.run_frame(px)
                 latencies.append(timing.latency)
-                outs.append(output)
+                outs.append(list(got.values()))
             elapsed = time.perf_counter() - began
-            outputs[name] = np.concatenate(outs)
+            for k in range(len(outs[0])):  # every output of the model, in its order: "<plan>.<k>"
+                outputs[f"{name}.{k}"] = np.concatenate([o[k] for o in outs])
             results["plans"][name] = {"plan": plan.to_dict(), "describe": plan.describe(), "latencies": latencies,
                                       "seconds": elapsed}
     np.savez(spec["outputs"], pixels=np.concatenate(frames), **outputs)
@@ -187,17 +188,19 @@ def worker(spec_path: str) -> int:
 def compare(results: dict, data: dict, model_path: Path, how) -> list[dict]:
     """One row per plan: p50/p95 latency, fps (one frame at a time), worst relative error vs the whole model."""
     import onnxruntime as ort
+    from deepco_device.answers import relative_error
     from deepco_device.preprocess import normalise
 
     whole = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
     name = whole.get_inputs()[0].name
     px = data["pixels"]
-    want = np.concatenate([whole.run(None, {name: normalise(px[i:i + 1], how)})[0] for i in range(len(px))])
+    answers = [whole.run(None, {name: normalise(px[i:i + 1], how)}) for i in range(len(px))]
+    wants = [np.concatenate([a[k] for a in answers]) for k in range(len(whole.get_outputs()))]
     rows = []
     for plan in PLANS:
         r = results["plans"][plan]
-        got = data[plan]
-        error = float(np.abs(got - want).max() / np.abs(want).max())
+        error = relative_error({k: data[f"{plan}.{k}"] for k in range(len(wants))}, dict(enumerate(wants)))
+        got = data[f"{plan}.0"]
         lat = np.asarray(r["latencies"])
         rows.append({"plan": plan, "describe": r["describe"], "p50_ms": float(np.percentile(lat, 50) * 1e3),
                      "p95_ms": float(np.percentile(lat, 95) * 1e3), "fps": len(lat) / r["seconds"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -80,12 +81,48 @@ def fold_shapes(model: onnx.ModelProto, height: int, width: int, rounds: int = 1
     Div), so shapes further on are unknown until the constants before them are evaluated: fold, evaluate
     the constant nodes, infer again, for up to ``rounds`` rounds.
     """
+    return _fold(model, lambda m: with_static_size(m, height, width), rounds)
+
+
+def fold_request_shapes(model: onnx.ModelProto, max_elements: int = 4096, rounds: int = 16) -> onnx.ModelProto:
+    """`fold_shapes` for a model whose inputs all have concrete shapes already (a server bounding one
+    request's memory): a Resize or Reshape whose size PyTorch computed from a tensor's shape then has a
+    static output shape. Only what ONNX shape inference derives from those inputs is trusted (the model's
+    own ``value_info`` and output shapes are set aside while folding), and only shape arithmetic
+    (`SHAPE_ARITHMETIC`) with outputs of at most ``max_elements`` elements is evaluated: an uploaded model
+    must not make the folding itself allocate or compute much. A model without Shape or Size nodes comes back
+    as it is (not copied: a plain CNN's request bound pays nothing for this)."""
+    if not any(n.op_type in ("Shape", "Size") for n in model.graph.node):
+        return model
+    return _fold(model, _undeclared, rounds, max_elements)
+
+
+# What computes sizes from shapes in exported graphs; a request bound evaluates nothing else.
+SHAPE_ARITHMETIC = frozenset({"Constant", "Identity", "Cast", "Slice", "Gather", "Concat", "Unsqueeze", "Squeeze",
+                              "Reshape", "Transpose", "ConstantOfShape", "Expand", "Range", "Add", "Sub", "Mul", "Div",
+                              "Mod", "Floor", "Ceil", "Neg", "Abs", "Max", "Min", "Equal", "Less", "Greater", "Not",
+                              "Where", "ReduceProd"})
+
+
+def _undeclared(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy without the shapes the file declares beyond its inputs (value_info, outputs' dimensions)."""
+    bare = copy.deepcopy(model)
+    del bare.graph.value_info[:]
+    for vi in bare.graph.output:
+        vi.type.tensor_type.ClearField("shape")
+    return bare
+
+
+def _fold(model: onnx.ModelProto, static: Callable[[onnx.ModelProto], onnx.ModelProto], rounds: int,
+          max_elements: int | None = None) -> onnx.ModelProto:
+    """Fold Shape/Size nodes whose input shape inference knows on ``static(model)``, then evaluate the
+    constants that makes, for up to ``rounds`` rounds (``max_elements``: evaluate only outputs that small)."""
     out = copy.deepcopy(model)
     for _ in range(rounds):
         if not any(n.op_type in ("Shape", "Size") for n in out.graph.node):
             break
         try:
-            shapes = static_shapes(_infer(with_static_size(out, height, width), strict=False))
+            shapes = static_shapes(_infer(static(out), strict=False))
         except Exception:  # a model inference cannot read is reported by check_size, not here
             break
         kept = []
@@ -105,18 +142,22 @@ def fold_shapes(model: onnx.ModelProto, height: int, width: int, rounds: int = 1
             break
         del out.graph.node[:]
         out.graph.node.extend(kept)
-        _evaluate_constants(out)
+        _evaluate_constants(out, None if max_elements is None else (shapes, max_elements))
     return out
 
 
-def _evaluate_constants(model: onnx.ModelProto) -> None:
-    """Replace every node whose inputs are all initializers by initializers holding its outputs."""
+def _evaluate_constants(model: onnx.ModelProto, small: tuple[dict[str, list[int]], int] | None = None) -> None:
+    """Replace every node whose inputs are all initializers by initializers holding its outputs; with
+    ``small`` = (inferred shapes, limit), only shape arithmetic whose outputs are known to hold at most ``limit``
+    elements."""
     known = {t.name: t for t in model.graph.initializer}
     kept = []
     for node in model.graph.node:
         ins = [name for name in node.input if name]
         foreign = node.domain not in ("", "ai.onnx")
-        if foreign or node.op_type.startswith("Random") or any(name not in known for name in ins):
+        big = small is not None and (node.op_type not in SHAPE_ARITHMETIC or any(
+            o not in small[0] or int(np.prod(small[0][o])) > small[1] for o in node.output if o))
+        if foreign or big or node.op_type.startswith("Random") or any(name not in known for name in ins):
             kept.append(node)
             continue
         graph = onnx.helper.make_graph(

@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from deepco.errors import UserError
 from deepco.planning.bands import ownership, receives
 from deepco.planning.plan import PlanningError
 
@@ -82,6 +83,8 @@ class StagedPlan:
     crops: list[list[int]] = field(default_factory=list)  # levels 0..n (level 0 unused)
     lookahead: bool = True
     tail: str | None = None  # participant that gathers and runs the rest; None: the device
+    # kind "scales": the level's tensors, name -> {"owned": band per participant (its rows), "crop": per participant}
+    tensors: dict = field(default_factory=dict)
     predicted: float = 0.0
     breakdown: dict = field(default_factory=dict)
     # set by calibration (`deepco.planning.calibration.fidelity`): measured against predicted, and why when
@@ -95,8 +98,11 @@ class StagedPlan:
     @classmethod
     def from_dict(cls, data: dict) -> StagedPlan:
         """Inverse of `to_dict`."""
+        tensors = {name: {"owned": [tuple(iv) for iv in t["owned"]], "crop": list(t["crop"])}
+                   for name, t in data.get("tensors", {}).items()}
         return cls(**data | {"bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
-                              "windows": [[tuple(iv) for iv in level] for level in data.get("windows", [])]})
+                              "windows": [[tuple(iv) for iv in level] for level in data.get("windows", [])],
+                              "tensors": tensors})
 
     def describe(self) -> str:
         """One line: what runs where."""
@@ -106,11 +112,14 @@ class StagedPlan:
             return f"{self.algorithm}: the whole model on {self.servers[0]} (antenna {self.antennas[0]})"
         if self.kind == "round-robin":
             return f"{self.algorithm}: whole frames dealt in turn to {', '.join(self.servers)}"
+        who = ", ".join(f"{s} (antenna {m})" if s != DEVICE else "the device" for s, m in
+                        zip(self.servers, self.antennas, strict=True))
+        if self.kind == "scales":
+            return (f"{self.algorithm}: split across scales over {who}, one stage to level {self.levels[0]} "
+                    f"({len(self.tensors)} tensors), lookahead, tail on the device")
         stages = " | ".join(self.levels)
         where = f"tail on {self.tail}" if self.tail else "tail on the device"
         how = "lookahead" if self.lookahead else "bands exchanged from the image on"
-        who = ", ".join(f"{s} (antenna {m})" if s != DEVICE else "the device" for s, m in
-                        zip(self.servers, self.antennas, strict=True))
         return (f"{self.algorithm}: split over {who}, stages ending at {stages}, {how}, {where}")
 
 
@@ -136,6 +145,8 @@ class CostModel:
             raise PlanningError("the model has no cut point with enough work before it to split")
         self._segments: dict[tuple[str, str], object] = {}
         self._windows: dict[tuple[str, str, int, int], object] = {}
+        self._level_windows: dict[tuple[int, int], object] = {}
+        self.level, self.level_stage = self._deepest_level()
         self.height = partitioner.height
         self.image_row_bytes = input_bytes // partitioner.height
 
@@ -153,6 +164,26 @@ class CostModel:
         if key not in self._windows:
             self._windows[key] = self.segment(source, target).window(a, b)
         return self._windows[key]
+
+    def _deepest_level(self) -> tuple[object, object]:
+        """The last level (deepco.partition.levels: the tensors alive at once, at several scales) and the stage
+        from the image to it, if its head holds more of the model's FLOPs than any single-tensor cut's (a U-Net
+        or a detector, whose skips end the single-tensor cuts early)."""
+        try:
+            levels = self.p.levels
+            deepest = max(c.head_flops for c in self.p.cuts)
+            if len(levels) < 2 or levels[-1].head_flops <= deepest:
+                return None, None
+            return levels[-1], self.p.stages([levels[-1].index], models=False)[0]
+        except UserError:  # the partitioner's PartitionError: no stage to it, the single-tensor cuts are what there is
+            return None, None
+
+    def level_window(self, top: int, bottom: int):
+        """The StageWindow of image rows [top, bottom) of the stage to ``level``."""
+        key = (top, bottom)
+        if key not in self._level_windows:
+            self._level_windows[key] = self.level_stage.window(top, bottom)
+        return self._level_windows[key]
 
     def height_of(self, level: str | None) -> int:
         """Rows of a level (None: the image)."""
@@ -210,7 +241,7 @@ def steps(plan: StagedPlan) -> int:
     """Server steps on a frame's critical path, each paying ``Rates.step_overhead``."""
     if plan.kind == "local":
         return 0
-    if plan.kind == "offload":
+    if plan.kind in ("offload", "scales"):
         return 1
     return len(plan.levels) + (1 if plan.tail else 0)
 
@@ -219,12 +250,23 @@ def models_per_server(plan: StagedPlan) -> dict[str, int]:
     """Model slots ``plan`` takes on each server (`deepco serve --max-models`): the whole model for offload and
     each round-robin server, one model per stage on every server of a split, and one more where a server runs
     the tail."""
-    if plan.kind in ("offload", "round-robin"):
+    if plan.kind in ("offload", "round-robin", "scales"):
         return dict.fromkeys(plan.servers, 1)
     slots = {s: len(plan.levels) for s in plan.servers if s != DEVICE}
     if plan.tail is not None:
         slots[plan.tail] += 1
     return slots
+
+
+def split_shares(plan: StagedPlan, costs: CostModel) -> dict[str, float]:
+    """Shares of the model's FLOPs (0..1) that run on row bands: ``plan`` (its split stages; 0 for the
+    others), the deepest single-tensor cut (what split plans can reach today), and stages across scales
+    (levels of several tensors: deepco.partition.levels, where a U-Net's or a detector's skips stay alive)."""
+    total = costs.total_flops or 1
+    deepest = max(c.head_flops for c in costs.p.cuts)
+    planned = {"split": lambda: costs.p.cut(plan.levels[-1]).head_flops,
+               "scales": lambda: costs.level.head_flops}.get(plan.kind, lambda: 0)()
+    return {"plan": planned / total, "single_tensor_cuts": deepest / total, "across_scales": costs.p.split_share()}
 
 
 def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
@@ -243,6 +285,8 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
         compute = costs.total_flops / rates.server_flops_per_second[name] + rates.step_overhead
         back = out_bytes / rates.antenna_bytes_per_second[m] + out_bytes * rates.device_seconds_per_byte
         return {"frame": arrive + compute + back, "transfer": arrive, "compute": compute, "return": back}
+    if plan.kind == "scales":
+        return _predict_scales(plan, costs, rates)
     n = len(plan.servers)
     names: list[str | None] = [None, *plan.levels]
     speed = [rates.speed(s) for s in plan.servers]
@@ -288,6 +332,20 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
             "tail": tail, "return": back}
 
 
+def _predict_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
+    """`predict` of a one-stage plan to a level of several tensors: windows sent, bands computed and returned,
+    every tensor stitched and the rest run on the device."""
+    windows = [costs.level_window(*band) for band in plan.bands[1]]
+    arrived = _send_schedule(plan, [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]], rates)
+    done = [arrived[i] + w.flops / rates.speed(s) + rates.step_overhead
+            for i, (s, w) in enumerate(zip(plan.servers, windows, strict=True))]
+    backs = [done[i] + rates.request_overhead + w.output_bytes / rates.antenna_bytes_per_second[plan.antennas[i]]
+             for i, w in enumerate(windows)]
+    received = max(backs) + sum(w.output_bytes for w in windows) * rates.device_seconds_per_byte
+    tail = (costs.total_flops - costs.level.head_flops) / rates.device_flops_per_second
+    return {"frame": received + tail, "arrived": arrived, "stages": [max(done)], "gathered": received, "tail": tail}
+
+
 def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
     """Predicted sustained frames per second with frames pipelined: 1 / the busiest resource's time per frame
     (the device's CPU, each antenna, each server). A server's time counts its FLOPs and the fixed cost of
@@ -304,6 +362,16 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
         busy["device"] = costs.input_bytes * rates.device_seconds_per_byte
         busy[f"antenna {m}"] = costs.input_bytes / bw[m]
         busy[s] = costs.total_flops / rates.server_flops_per_second[s] + rates.step_overhead
+        return 1.0 / max(busy.values())
+    if plan.kind == "scales":
+        busy["device"] = (costs.total_flops - costs.level.head_flops) / rates.device_flops_per_second
+        for i, s in enumerate(plan.servers):
+            a, b = plan.windows[0][i]
+            nbytes = (b - a) * costs.row_bytes(None)
+            busy["device"] += nbytes * rates.device_seconds_per_byte
+            key = f"antenna {plan.antennas[i]}"
+            busy[key] = busy.get(key, 0.0) + nbytes / bw[plan.antennas[i]]
+            busy[s] = costs.level_window(*plan.bands[1][i]).flops / rates.speed(s) + rates.step_overhead
         return 1.0 / max(busy.values())
     names: list[str | None] = [None, *plan.levels]
     for i, s in enumerate(plan.servers):
@@ -429,6 +497,33 @@ def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Se
     return _finish(plan, costs, rates)
 
 
+def scales_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], weights: Sequence[float] | None = None,
+                algorithm: str = "auto") -> StagedPlan | None:
+    """One stage from the image to the deepest level of several tensors (`CostModel.level`: a U-Net's or a
+    detector's scales alive at once, skips included) over ``chosen`` (band order), with lookahead; the bands
+    of every tensor come back to the device, which stitches them and runs the rest. Bands are image rows in
+    proportion to ``weights`` (default: speeds), on multiples of the stage's alignment. None when there is no
+    such level or it has too few aligned rows for ``chosen``."""
+    if costs.level is None or costs.level_stage.carried or DEVICE in chosen:
+        return None  # carried: the level keeps a tensor the stage does not make (the image): not planned
+    align, height = costs.level_stage.align, costs.height
+    try:
+        units = ownership(list(weights or [rates.speed(s) for s in chosen]), [-(-height // align)])[0]
+        bands = [(a * align, min(b * align, height)) for a, b in units]
+        windows = [costs.level_window(a, b) for a, b in bands]
+    except UserError:  # PlanningError, PartitionError: too few aligned rows for these participants
+        return None
+    image = costs.p.graph.input_name
+    sent = [w.input_rows[image] for w in windows]
+    tensors = {t: {"owned": [w.output_rows[t] for w in windows], "crop": [w.crop[t][0] for w in windows]}
+               for t in costs.level_stage.outputs}
+    antennas, order = _associate(chosen, rates, [(b - a) * costs.row_bytes(None) for a, b in sent])
+    plan = StagedPlan(algorithm, "scales", servers=list(chosen), antennas=antennas, order=order,
+                      levels=[costs.level.name], bands=[bands, bands], windows=[sent, sent],
+                      crops=[[], [0] * len(chosen)], lookahead=True, tensors=tensors)
+    return _finish(plan, costs, rates)
+
+
 def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source: str | None, target: str,
                    first: bool, lookahead: bool) -> float:
     """The barrier model of one stage for the dynamic programme: the slowest participant's exchange plus
@@ -531,6 +626,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
     ordered = _participants(rates, servers)
     for k in range(1, len(ordered) + 1):
         chosen = ordered[:k]
+        if shapes == "all" and (plan := scales_plan(costs, rates, chosen, algorithm=algorithm)) is not None:
+            candidates.append(plan)
         for lookahead in (True, False):
             if shapes == "thread" and not lookahead or shapes == "modnn" and lookahead:
                 continue
@@ -554,7 +651,7 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
                             candidates.append(plan)
     if not candidates:
         raise PlanningError("no plan fits: every split needs more rows than a level has")
-    candidates = [replace(p, algorithm=algorithm) if p.kind == "split" else p for p in candidates]
+    candidates = [replace(p, algorithm=algorithm) if p.kind in ("split", "scales") else p for p in candidates]
     candidates = [p for p in candidates if p.kind != "round-robin"] if objective == "latency" else candidates
     if objective == "latency":
         candidates.sort(key=lambda p: p.predicted)

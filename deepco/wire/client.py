@@ -244,7 +244,8 @@ class InferenceClient:
         return decode_outputs(response)
 
     def infer(self, name: str, array: np.ndarray) -> np.ndarray:
-        """Run a one-input model on ``array`` and return its first output."""
+        """Run a one-input, one-output model on ``array`` and return its output (a model with several outputs:
+        `infer_many`, which returns them all)."""
         input_name = self._input_names.get(name)
         if input_name is None:
             meta = self.model_metadata(name)
@@ -253,7 +254,9 @@ class InferenceClient:
             input_name = self._input_names[name] = meta.inputs[0].name
         response = self._call(self.inference.ModelInfer, encode_request(name, {input_name: array}))
         outputs = decode_outputs(response)
-        return outputs[response.outputs[0].name]
+        if len(outputs) != 1:
+            raise UserError(f"model {name!r} answered {len(outputs)} outputs ({', '.join(outputs)}); use infer_many")
+        return next(iter(outputs.values()))
 
     def start_run(self, name: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None,
                   started: Callable[[Any], None] | None = None) -> RunHandle:

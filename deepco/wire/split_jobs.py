@@ -7,12 +7,13 @@ live only here:
 - *gather*: ``gather_to`` is 0 when the device gathers the bands of the last level (and runs the tail),
   else 1 + the index of the participant that gathers them and runs ``tail_model``;
 - *rows*: ``Rows`` carry NCHW tensors, so an output of lower rank (a classifier's ``(1, classes)``) travels
-  padded with trailing 1s (`to_rows`) and is cut back to its rank on arrival (`from_rows`).
+  padded with trailing 1s (`to_rows`) and is cut back to its rank on arrival (`from_rows`); the gathering
+  participant returns every output of the model, by name (`named_rows`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.rows import encode_rows
 
 Interval = tuple[int, int]
+TensorTable = tuple[str, Sequence[Interval], Sequence[int]]  # a level's tensor: name, band and crop per participant
 ROWS_RANK = 4  # Rows carry NCHW
 
 
@@ -55,13 +57,21 @@ def from_rows(array: np.ndarray, rank: int) -> np.ndarray:
     return array.reshape(array.shape[:rank])
 
 
+def named_rows(outputs: Mapping[str, np.ndarray]) -> list[dpb.NamedRows]:
+    """A gathering participant's outputs as ``SplitResult.outputs``: each as NCHW rows (`to_rows`) under its
+    name, in the model's order. ValueError for an output of rank over 4."""
+    return [dpb.NamedRows(name=name, rows=encode_rows(np.ascontiguousarray(to_rows(array)), 0))
+            for name, array in outputs.items()]
+
+
 def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
                 bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
                 crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
-                tail: int | None, tail_model: str) -> dpb.SplitRequest:
+                tail: int | None, tail_model: str, tensors: Sequence[TensorTable] = ()) -> dpb.SplitRequest:
     """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
     (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
-    participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers."""
+    participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers.
+    ``tensors``: the last level's tensors when it has several (bands and windows are then image rows)."""
     levels = []
     for j in range(len(bands)):
         level = dpb.SplitLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
@@ -69,6 +79,8 @@ def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers
             level.window.extend(dpb.RowRange(start=a, stop=b) for a, b in windows[j])
             level.crop.extend(crops[j])
         levels.append(level)
+    for name, owned, crop in tensors:
+        levels[-1].tensors.add(name=name, owned=[dpb.RowRange(start=a, stop=b) for a, b in owned], crop=list(crop))
     a, b = windows[0][index]
     return dpb.SplitRequest(job_id=job_id, segment_models=list(segment_models), server_index=index, peers=list(peers),
                             levels=levels, input=encode_rows(np.ascontiguousarray(image[:, :, a:b, :]), a),
