@@ -15,18 +15,22 @@ frames, `LiveFrames`, or on blank ones for a dry run).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import math
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 from deepco_device.backpressure import while_busy
+from deepco_device.feed import EndOfFeed, Feed, Frame, IterFeed, ResumedFeed
+from deepco_device.giveup import TICK
 from deepco_device.lifecycle import NoRoom
 from deepco_device.pipeline import timeline
 from deepco_device.records import FrameResult, FrameTiming
-from deepco_device.runners import StagedRunner
+from deepco_device.runners import RUNNERS, StagedRunner
 
 from deepco.errors import UserError
-from deepco.planning import calibration
+from deepco.planning import calibration, slo
 from deepco.planning.calibration import Unfit, plan_key
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
@@ -44,6 +48,9 @@ from deepco.wire.client import ServerError
 
 if TYPE_CHECKING:
     from deepco_device.session import Device
+
+SLO_FRAMES = 10  # pipelined frames `--objective slo` measures each short-listed plan and depth on
+SLO_PLANS = 3  # plans of each ranking (latency, throughput) `--objective slo` pairs with frames in flight
 
 
 class StagedPlanner:
@@ -135,7 +142,7 @@ class StagedPlanner:
             self.device.log(f"calibration: {self.unfit_plans} of {every} candidate plans need more model slots than "
                             f"the servers have free ({', '.join(f'{k} {v}' for k, v in self.room.items())}): skipped")
         dev = self.device
-        runs = _PlanRuns(dev, live or _BlankFrames(np.zeros((1, dev.channels, dev.height, dev.width), np.uint8)))
+        runs = _PlanRuns(dev, live or _BlankFrames(self._blank()))
         try:
             result = calibration.calibrate(
                 self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
@@ -190,6 +197,56 @@ class StagedPlanner:
         """Predicted sustained frames per second of ``plan`` with frames pipelined."""
         return throughput(plan, self.costs, self.rates())
 
+    def slo_options(self, fastest: StagedPlan | None = None) -> list[slo.Option]:
+        """`--objective slo`'s candidates: the best plans of each ranking (latency, throughput) with each number
+        of frames in flight worth trying (`deepco.planning.slo.options`), predicted on the calibrated model
+        (``fastest``: calibration's plan when it ran already; else it runs now)."""
+        fastest = fastest or self.calibrate("latency")
+        plans = [fastest, *self.plans("latency")[:SLO_PLANS], *self.plans("throughput")[:SLO_PLANS]]
+        return slo.options(plans, self.costs, self.rates(), least_depth)
+
+    def choose_slo(self, bound: float, frames: int = SLO_FRAMES,
+                   candidates: list[slo.Option] | None = None) -> slo.SloChoice:
+        """`--objective slo`: measure the short list of ``candidates`` (default `slo_options`) on ``frames``
+        pipelined blank frames each and choose (`deepco.planning.slo.choose`). The chosen plan's models stay
+        uploaded for the run; the others are given back."""
+        candidates = candidates or self.slo_options()
+        runs = _PlanRuns(self.device, _BlankFrames(self._blank()))
+        choice = None
+        try:
+            choice = slo.choose(candidates, lambda option: self._trial(runs, option, frames), bound)
+        finally:  # the chosen plan's models stay for the run (as calibration leaves its own plan's)
+            kept = None if choice is None else plan_key(choice.option.plan)
+            for option in candidates:
+                if plan_key(option.plan) != kept:
+                    runs.release(option.plan)
+        return choice
+
+    def measure_options(self, candidates: list[slo.Option], frames: int = SLO_FRAMES) -> list[slo.Trial]:
+        """Every one of ``candidates`` measured as `choose_slo` measures them (the benchmark's yardstick); their
+        models are given back after."""
+        runs = _PlanRuns(self.device, _BlankFrames(self._blank()))
+        try:
+            return [self._trial(runs, option, frames) for option in candidates]
+        finally:
+            for option in candidates:
+                runs.release(option.plan)
+
+    def _blank(self) -> np.ndarray:
+        dev = self.device
+        return np.zeros((1, dev.channels, dev.height, dev.width), np.uint8)
+
+    def _trial(self, runs: _PlanRuns, option: slo.Option, frames: int) -> slo.Trial:
+        trial = runs.pipelined(option, frames)
+        self.device.log(f"slo: {option.describe()}: predicted {option.latency * 1e3:.1f} ms, {option.fps:.2f} fps; "
+                        f"measured p95 {trial.p95 * 1e3:.1f} ms, {trial.fps:.2f} fps")
+        return trial
+
+
+def least_depth(plan: StagedPlan) -> int:
+    """Frames in flight a runner of ``plan`` has at least."""
+    return RUNNERS[plan.kind].least_depth(plan)
+
 
 class SourceEnded(Exception):
     """The source ran out of frames while calibration was timing plans on them."""
@@ -197,14 +254,16 @@ class SourceEnded(Exception):
 
 class LiveFrames:
     """The run's first frames, while calibration times plans on them (`StagedPlanner.calibrate`): each is taken
-    from ``source``, run on the plan being timed, and its result handed to ``emit(result, predicted)``; the
-    frames left go on to the pipeline (`rest`, numbered on from ``taken``)."""
+    from ``source`` (a device.feed.Feed, or frames, which become one), run on the plan being timed, and its
+    result handed to ``emit(result, predicted)``; the frames left go on to the pipeline (`rest`: the same feed,
+    with any frame a failed server gave back in front)."""
 
-    def __init__(self, source: Iterable[np.ndarray], emit: Callable[[FrameResult, float], None]):
-        self._source = iter(source)
+    def __init__(self, source: Feed | Iterable[np.ndarray], emit: Callable[[FrameResult, float], None]):
+        self._feed = source if isinstance(source, Feed) else IterFeed(source)
         self.emit = emit
         self.taken = 0  # frames that gave a result
-        self._back: list[np.ndarray] = []  # frames a failed server gave back, to run again first
+        self._current: Frame | None = None
+        self._back: list[Frame] = []  # frames a failed server gave back, to run again first
         self.ended = False  # the source ran out before calibration settled
         self.stopped: str | None = None  # why calibration stopped before it settled (a server failed)
 
@@ -216,29 +275,35 @@ class LiveFrames:
     def next(self) -> np.ndarray:
         """The next frame's pixels; SourceEnded when there are none."""
         if self._back:
-            return self._back.pop()
+            self._current = self._back.pop()
+            return self._current.pixels
         try:
-            return next(self._source)
-        except StopIteration:
+            frame = None
+            while frame is None:  # a live source's next frame may not be there yet
+                frame = self._feed.take(TICK)
+        except EndOfFeed:
             self.ended = True
             raise SourceEnded from None
+        self._current = frame
+        return frame.pixels
 
     def put_back(self, x: np.ndarray) -> None:
         """A frame whose server failed: it is the next frame again."""
-        self._back.append(x)
+        assert self._current is not None and self._current.pixels is x
+        self._back.append(self._current)
 
     def done(self, outputs: dict[str, np.ndarray], timing: FrameTiming, plan: StagedPlan) -> None:
         """A frame ran on ``plan``: hand its result on."""
-        result = FrameResult(self.taken, outputs=outputs, latency=timing.latency)
+        frame = self._current
+        result = FrameResult(frame.index, outputs=outputs, latency=timing.latency, captured=frame.captured)
         timeline(result, timing, plan, 0.0, None)
+        result.delivered = time.perf_counter()
         self.taken += 1
         self.emit(result, plan.predicted)
 
-    def rest(self) -> Iterator[np.ndarray]:
+    def rest(self) -> Feed:
         """The frames calibration did not take."""
-        while self._back:
-            yield self._back.pop()
-        yield from self._source
+        return ResumedFeed(self._back[::-1], self._feed) if self._back else self._feed
 
 
 class _BlankFrames:
@@ -289,6 +354,27 @@ class _PlanRuns:
             raise
         self.frames.done(outputs, timing, runner.plan)
         return timing.latency
+
+    def pipelined(self, option: slo.Option, frames: int) -> slo.Trial:
+        """``option``'s plan with its frames in flight on ``frames`` frames (after untimed ones when its runner is
+        new): the p95 of their latencies and their fps (frames / the run's wall time)."""
+        key = plan_key(option.plan)
+        runner = self._runners.get(key)
+        if runner is None:
+            try:
+                runner = self._runners[key] = StagedRunner(self.device, option.plan)
+            except NoRoom as exc:
+                self.device.log(f"slo: skipped {option.plan.describe()}: {exc}")
+                return slo.Trial(option, math.inf, 0.0)  # never meets a bound, never the least p95
+            for _ in range(least_depth(option.plan)):  # first runs allocate (round-robin: on every server)
+                runner.run_frame(self.frames.next())
+        start = time.perf_counter()
+        results = list(runner.run_frames([self.frames.next() for _ in range(frames)], depth=option.depth))
+        seconds = time.perf_counter() - start
+        failed = [r.error for r in results if r.error is not None]
+        if failed:
+            raise UserError(f"slo: {option.describe()} failed a frame while measured: {failed[0]}")
+        return slo.Trial(option, float(np.percentile([r.latency for r in results], 95)), frames / seconds)
 
     def release(self, plan: StagedPlan) -> None:
         """Give back ``plan``'s models."""

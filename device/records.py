@@ -113,7 +113,6 @@ class FrameTiming:
     stitch: float = 0.0
     tail: float = 0.0
     servers: tuple[ServerStep, ...] = ()
-    captured: float | None = None  # when the frame was captured (perf_counter), where the source says
 
     def to_dict(self) -> dict:
         """JSON form (the --json-log's ``staged`` field): the fields of the frame's kind, as they were named."""
@@ -125,8 +124,6 @@ class FrameTiming:
                    "tail": self.tail, "servers": [s.to_dict() for s in self.servers]}
         else:
             out = {"latency": self.latency, "compute": self.compute}
-        if self.captured is not None:
-            out["captured"] = self.captured
         return out
 
 
@@ -149,9 +146,10 @@ class ServerTiming:
 
 @dataclass
 class FrameResult:
-    """One frame's outputs (or error) and its timeline."""
+    """One frame's outputs (or error) and its timeline: ``latency`` is the frame's compute latency (from entering
+the pipeline to its result), ``capture_to_result`` the age of its result when delivered (from its capture)."""
 
-    index: int
+    index: int  # the frame's index in the source (a live source's dropped frames leave gaps)
     outputs: dict[str, np.ndarray] | None = None  # every output of the model by name, in its order
     error: str | None = None
     latency: float = 0.0
@@ -160,6 +158,8 @@ class FrameResult:
     tail: float = 0.0
     servers: list[ServerTiming] = field(default_factory=list)
     staged: FrameTiming | None = None  # the runner's own timing of the try that succeeded
+    captured: float | None = None  # when the frame was captured (perf_counter; device.feed)
+    delivered: float | None = None  # when its result left the pipeline, in order (perf_counter)
 
     @property
     def output(self) -> np.ndarray | None:
@@ -170,9 +170,18 @@ class FrameResult:
             raise ValueError(f"the model has {len(self.outputs)} outputs ({', '.join(self.outputs)}): read outputs")
         return next(iter(self.outputs.values()))
 
-    def log_record(self, predicted: float) -> dict:
-        """The --json-log line of this frame."""
+    @property
+    def capture_to_result(self) -> float | None:
+        """Seconds from the frame's capture to its result's delivery (None: not both known)."""
+        if self.captured is None or self.delivered is None:
+            return None
+        return self.delivered - self.captured
+
+    def log_record(self, predicted: float, start: float = 0.0) -> dict:
+        """The --json-log line of this frame (``captured``: seconds from ``start``, the run's start)."""
         record = {"frame": self.index, "latency": self.latency, "predicted": predicted, "error": self.error,
+                  "captured": None if self.captured is None else self.captured - start,
+                  "capture_to_result": self.capture_to_result,
                   "dispatch": self.dispatch, "stitch": self.stitch, "tail": self.tail,
                   "servers": [{"name": s.name, "antenna": s.antenna, "rows": list(s.rows), "send_start": s.send_start,
                                "transfer": s.transfer, "queue": s.queue, "compute": s.compute, "return": s.back,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
@@ -17,8 +17,11 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
-from deepco.planning.staged import StagedPlan
+from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
+
+if TYPE_CHECKING:  # scipy, through calibration: not on the CLI's start
+    from deepco.planning.slo import SloChoice, SloWatch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,15 +47,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             "calibrating (default: $XDG_CACHE_HOME/deepco, else ~/.cache/deepco)")
     cache.add_argument("--no-plan-cache", action="store_true",
                        help="neither read nor write the plan cache: every start measures and calibrates")
-    p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
-                   help="what auto optimises: one frame's latency, or sustained fps with frames pipelined")
+    p.add_argument("--objective", default="latency", choices=["latency", "throughput", "slo"],
+                   help="what auto optimises: one frame's latency, sustained fps with frames pipelined, or (slo) "
+                        "the most fps whose p95 latency stays under --max-latency, plan and frames in flight "
+                        "chosen by measurement")
+    p.add_argument("--max-latency", type=float, default=None, metavar="MS",
+                   help="--objective slo's bound on the p95 frame latency, milliseconds")
     p.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto")
     p.add_argument("--weights", default=None, metavar="STATE_DICT",
                    help="a torch state-dict file for a zoo model (torchvision's parameter names for the ResNets); "
                         "without it the zoo's ResNets have seeded random weights and their labels are noise")
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
-    p.add_argument("--depth", type=int, default=2, help="frames in flight at once (pipelining)")
+    p.add_argument("--depth", type=int, default=2,
+                   help="frames in flight at once (pipelining; --objective slo chooses it)")
+    p.add_argument("--drop", choices=["late", "never"], default=None,
+                   help="late: a live source's frame that cannot enter yet is replaced by the next one (counted, "
+                        "logged as dropped), so results stay fresh; never: every frame waits its turn. Default: "
+                        "late for cameras, URLs and --source-fps, never for files, images and directories")
+    p.add_argument("--source-fps", type=float, default=None, metavar="N",
+                   help="play a video file, image or directory as a live source at N frames per second (a real "
+                        "clock: frame i is captured at i/N s), for tests and benchmarks")
     p.add_argument("--save-outputs", metavar="FILE.npz",
                    help="write inputs and outputs for checking: 'inputs', and 'outputs' (a one-output model) or "
                         "'outputs/<name>' for every output of the model; a failed frame's rows are NaN")
@@ -71,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
     """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
     from deepco_device.preprocess import normalise, pixels
     from deepco_device.session import Device
-    from deepco_device.sources import first_frame_check, open_source
+    from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
     height, width = parse_size(args.input_size)
-    if args.frames is not None and args.frames <= 0:
-        raise UserError(f"--frames must be positive, got {args.frames}")
+    _check_flags(args)
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
+    drop_mode(args.source, args.drop, args.source_fps)
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     if args.pace:
@@ -85,12 +100,10 @@ def run(args: argparse.Namespace) -> int:
     how = modelcard.from_args(args.model, args)
     results = Results(args, Shown(how.output, args.output_dir))
 
-    def frames():
-        for frame in open_source(args.source, args.frames):
-            px = pixels(frame, height, width, how)
-            if args.save_outputs:
-                results.inputs.append(normalise(px, how))  # what the unpartitioned model takes
-            yield px
+    def prepare(frame: np.ndarray) -> np.ndarray:
+        px = pixels(frame, height, width, how)
+        results.saved.input(normalise(px, how))  # what the unpartitioned model takes
+        return px
 
     try:
         staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
@@ -106,65 +119,72 @@ def run(args: argparse.Namespace) -> int:
             if results.shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            from deepco_device.runners import StagedRunner
-
-            results.start()
-            plan, replan, adapt, rest = _plan(args, dev, cache, frames(), results.emit)
-            results.predicted = plan.predicted
-            if rest is not None:
-                runner = StagedRunner(dev, plan)
-                depth = max(args.depth, runner.frames_at_once)
-                for result in runner.run_frames(rest, depth=depth, replan=replan, give_up=give_up, adapt=adapt,
-                                                first=results.count):
-                    results.emit(result, plan.predicted)
-            results.stop()
+            feed = open_feed(args.source, args.frames, args.drop, args.source_fps, prepare)
+            try:
+                results.start()
+                _run_frames(args, dev, cache, feed, results, give_up)
+            finally:
+                feed.close()
+            results.report.finish()
     finally:
         results.close()
     return results.finish(how.channels, height, width)
 
 
+def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed, results: Results,
+                give_up: GiveUp) -> None:
+    """Plan (auto: calibrating on the feed's first frames, whose results come out as they go), then run the
+    rest of the feed through the plan, frames in flight as it says."""
+    from deepco_device.runners import StagedRunner
+
+    chosen, rest = _plan(args, dev, cache, feed, results.emit)
+    if rest is None:
+        return
+    runner = StagedRunner(dev, chosen.plan)
+    depth = max(chosen.depth, runner.frames_at_once)
+    results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
+    watch = chosen.watch(depth, runner.frames_at_once)
+    for result in runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
+                                    in_flight=(lambda: watch.depth) if watch else None):
+        results.dropped(feed.drops())
+        results.emit(result, results.report.predicted)
+        if watch is not None and (line := watch.observe(result.latency)):
+            print(line, flush=True)
+    results.dropped(feed.drops())
+
+
 class Results:
     """What `deepco run` does with each frame's result, whichever plan it ran on (calibration's live frames
-    or the pipeline's): its line, its JSON log record, its saved output; and the summary at the end."""
+    or the pipeline's): its line, and through `Report` and `Saved` (device.run_report) its JSON log record,
+    its count and its saved output; the summary at the end."""
 
     def __init__(self, args: argparse.Namespace, shown: Shown):
+        from deepco_device.run_report import Report, Saved
+
         self.args, self.shown = args, shown
-        self.inputs: list[np.ndarray] = []  # with --save-outputs: what each frame gave the model
-        self.saved: list[dict[str, np.ndarray] | None] = []  # per frame, None for a failed one (--save-outputs)
-        self.latencies: list[float] = []
-        self.failures = 0
-        self.count = 0  # results so far
-        self.predicted = 0.0  # the plan's prediction, for the summary
+        self.saved = Saved(args.save_outputs)
         self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
-        self.began = self.elapsed = 0.0
+        self.report = Report(0.0, args.depth, self.log_file)
 
     def start(self) -> None:
         """The frames begin now (fps counts from here)."""
-        self.began = time.perf_counter()
+        self.report.start = time.perf_counter()
+
+    def dropped(self, drops: list) -> None:
+        """Frames the feed dropped (a live source's late frames): counted, logged."""
+        self.report.dropped(drops, self.args.quiet)
 
     def emit(self, result, predicted: float) -> None:
         """One frame's result (a device.records.FrameResult), run on a plan that predicted ``predicted``."""
-        self.count += 1
-        if self.log_file:
-            self.log_file.write(json.dumps(result.log_record(predicted)) + "\n")
-            self.log_file.flush()  # a line per frame as it comes: the log can be followed live
+        self.report.frame(result, predicted)
+        self.saved.output(result)
         if result.error is not None:
-            self.failures += 1
             print(f"frame {result.index}: ERROR {result.error}", flush=True)
-            if self.args.save_outputs:
-                self.saved.append(None)
             return
-        self.latencies.append(result.latency)
-        if self.args.save_outputs:
-            self.saved.append(result.outputs)
         shown = self.shown.frame(result.index, result.outputs)
         if not self.args.quiet:
-            fps = len(self.latencies) / (time.perf_counter() - self.began)
-            print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {fps:5.1f} fps  {shown}", flush=True)
-
-    def stop(self) -> None:
-        """The frames are over."""
-        self.elapsed = time.perf_counter() - self.began
+            print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  {shown}",
+                  flush=True)
 
     def close(self) -> None:
         """Close the JSON log."""
@@ -173,20 +193,52 @@ class Results:
 
     def finish(self, channels: int, height: int, width: int) -> int:
         """Save the outputs, print the summary; the exit code."""
-        if self.args.save_outputs:
-            empty = np.zeros((0, channels, height, width))
-            np.savez(self.args.save_outputs, inputs=np.concatenate(self.inputs) if self.inputs else empty,
-                     **saved_outputs(self.saved))
-        done, elapsed = len(self.latencies), self.elapsed
-        if done:
-            p50, p95 = np.percentile(self.latencies, [50, 95])
-            print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
-                  f"{np.mean(self.latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; "
-                  f"predicted {self.predicted * 1e3:.1f} ms; {self.failures} failed")
-        if self.failures:
-            print(f"deepco run: {self.failures} frame(s) failed (see above)", file=sys.stderr)
-            return 1
-        return 0
+        self.saved.write(channels, height, width)
+        return self.report.summary()
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other or are out of range: one line each, before anything starts."""
+    if args.frames is not None and args.frames <= 0:
+        raise UserError(f"--frames must be positive, got {args.frames}")
+    if args.objective == "slo":
+        if args.max_latency is None or not args.max_latency > 0:
+            raise UserError("--objective slo needs --max-latency MS, a positive number of milliseconds")
+        if args.plan is not None or args.algorithm != "auto":
+            raise UserError("--objective slo chooses the plan itself: it goes with --algorithm auto, not with "
+                            "--plan or another --algorithm")
+    elif args.max_latency is not None:
+        raise UserError("--max-latency is the bound of --objective slo; give --objective slo too")
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What a run runs: the plan and its frames in flight, how failover replans, live adaptation (None: none),
+    and with --objective slo its choice (deepco.planning.slo)."""
+
+    plan: StagedPlan
+    depth: int
+    replan: Callable
+    adapt: object = None
+    slo: SloChoice | None = None
+    paper: bool = False  # a paper plan, whose table `_plan` printed
+
+    def announce(self, dev, depth: int) -> float:
+        """Print the prediction for what runs, ``depth`` frames in flight; the predicted latency (seconds)."""
+        latency, fps = pipelined(self.plan, dev.costs, dev.rates(), depth)
+        which = "" if self.paper else f"plan: {self.plan.describe()}; "
+        print(f"{which}predicted with {depth} frame(s) in flight: {latency * 1e3:.1f} ms, {fps:.2f} fps (one frame "
+              f"alone: {self.plan.predicted * 1e3:.1f} ms); {dev.pool.bytes_sent() / 1e6:.2f} MB sent to the servers "
+              "so far", flush=True)
+        if self.slo is not None:
+            print(self.slo.note(), flush=True)
+        return latency
+
+    def watch(self, depth: int, least: int) -> SloWatch | None:
+        """With --objective slo, the watch that keeps the run within its bound."""
+        from deepco.planning.slo import SloWatch
+
+        return None if self.slo is None else SloWatch(self.slo.bound, depth, least)
 
 
 class _PlanCacheUse:
@@ -230,10 +282,9 @@ class _PlanCacheUse:
             print(f"plan cache: wrote {path}", flush=True)
 
 
-def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: Iterator[np.ndarray],
-          emit: Callable) -> tuple[StagedPlan, Callable, object, Iterator[np.ndarray] | None]:
-    """The plan to run (printed), how failover replans, live adaptation (None: none; auto and the paper's plans
-    adapt, a named or saved plan runs as it is) and the frames left for it (None: calibration took them all)."""
+def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
+          emit: Callable) -> tuple[Chosen, object | None]:
+    """What to run (printed) and the frames left for it: the feed, or None where calibration took them all."""
     from deepco_device.adaptation import Adaptation
     from deepco_device.planner import LiveFrames, StagedPlanner
 
@@ -241,47 +292,35 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, source: It
 
     if cache is None:  # the paper's plan: failover replans with the same algorithm, and it adapts within it
         print(dev.describe_plan(), flush=True)
-        return dev.plan, dev.replan(args.algorithm), Adaptation(dev, dev.replan(args.algorithm)), source
+        return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), Adaptation(dev, dev.replan(args.algorithm)),
+                      paper=True), feed
     planner = StagedPlanner(dev)
-    rest: Iterator[np.ndarray] | None = source
+    objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
+    rest, choice, depth = feed, None, args.depth
     if cache.cached is not None:
         plan = cache.cached.plan
     elif args.plan is not None:
         from deepco_device.plan_command import load_plan
 
         plan = load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
+    elif args.objective == "slo":
+        choice = planner.choose_slo(args.max_latency / 1e3)
+        plan, depth = choice.option.plan, choice.option.depth
     elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
-        live = LiveFrames(source, emit)
-        plan = planner.calibrate(args.objective, live=live)
+        live = LiveFrames(feed, emit)
+        plan = planner.calibrate(objective, live=live)
         cache.store(dev, plan, live)
         rest = None if live.ended else live.rest()
     else:
         plan = planner.named(args.algorithm)
     print(dev.describe_measurements(), flush=True)
-    print(f"plan: {plan.describe()}; predicted {plan.predicted * 1e3:.1f} ms, {planner.fps(plan):.2f} fps; "
-          f"{dev.pool.bytes_sent() / 1e6:.2f} MB sent to the servers so far", flush=True)
     adapt = None
-    if args.plan is None and args.algorithm == "auto":
-        per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if args.objective == "throughput" \
+    if args.plan is None and args.algorithm == "auto" and choice is None:
+        per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if objective == "throughput" \
             else None  # else the predicted latency
-        adapt = Adaptation(dev, lambda down, rates: planner.plans(args.objective, exclude=down, rates=rates)[0],
+        adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates)[0],
                            seconds=per_frame)
-    return plan, lambda down: planner.best(args.objective, exclude=down), adapt, rest
-
-
-def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
-    """The --save-outputs arrays of every frame's outputs (None: a failed frame, NaN rows): ``outputs`` for a
-    one-output model, else ``outputs/<name>`` for each output; nothing succeeded: ``outputs``, empty."""
-    first = next((f for f in frames if f is not None), None)
-    if first is None:
-        return {"outputs": np.zeros((0,))}
-    keys = {name: "outputs" if len(first) == 1 else f"outputs/{name}" for name in first}
-
-    def failed(like: np.ndarray) -> np.ndarray:
-        return np.full(like.shape, np.nan, dtype=like.dtype if like.dtype.kind == "f" else np.float64)
-
-    return {keys[name]: np.concatenate([f[name] if f is not None else failed(like) for f in frames])
-            for name, like in first.items()}
+    return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
 
 
 def file_names(names: list[str]) -> dict[str, str]:

@@ -32,6 +32,7 @@ from deepco_device import pipeline
 from deepco_device.adaptation import Adaptation
 from deepco_device.answers import Outputs, check_named_rows, check_outputs, check_rows, output_specs, value_dtype
 from deepco_device.backpressure import while_busy
+from deepco_device.feed import Feed
 from deepco_device.giveup import GiveUp
 from deepco_device.health import Health
 from deepco_device.measuring import device_session as _session
@@ -83,7 +84,16 @@ class StagedRunner:
     on the servers it did fit."""
 
     kind: ClassVar[str] = ""
-    frames_at_once: int = 1  # frames this runner can usefully have in flight by itself (round-robin: one a server)
+
+    @classmethod
+    def least_depth(cls, plan: StagedPlan) -> int:
+        """Frames a runner of ``plan`` has in flight at least (round-robin: one a server)."""
+        return 1
+
+    @property
+    def frames_at_once(self) -> int:
+        """Frames this runner can usefully have in flight by itself (`least_depth` of its plan)."""
+        return self.least_depth(self.plan)
 
     def __new__(cls, device: Device, plan: StagedPlan, **kwargs: Any) -> StagedRunner:
         if cls is StagedRunner:
@@ -138,12 +148,13 @@ class StagedRunner:
         raise NotImplementedError
 
     # ---- a stream of frames ---------------------------------------------------------------------------
-    def run_frames(self, inputs: Iterable[np.ndarray], depth: int = 2,
+    def run_frames(self, inputs: Iterable[np.ndarray] | Feed, depth: int = 2,
                    replan: Callable[[set[str]], StagedPlan] | None = None,
                    give_up: GiveUp | None = None, adapt: Adaptation | None = None,
-                   first: int = 0) -> Iterator[FrameResult]:
-        """Every input's result in order (numbered from ``first``), ``depth`` frames in flight
-        (device.pipeline). A server that fails, or answers wrongly (a tensor that does not fit the plan), is
+                   first: int = 0, in_flight: Callable[[], int] | None = None) -> Iterator[FrameResult]:
+        """Every input's result in order (numbered from ``first`` where ``inputs`` are frames; a
+        device.feed.Feed numbers its own), ``depth`` frames in flight (device.pipeline; ``in_flight``: fewer
+        while it says so). A server that fails, or answers wrongly (a tensor that does not fit the plan), is
         left out of a new plan (``replan(down)``) and the frame is run again on it; a frame that fails
         pipeline.MAX_RETRIES times (or with no server left) yields an explicit error. Nothing is lost. Down
         servers are probed and rejoin; with ``adapt`` the run measures its rates from live frames and switches
@@ -160,7 +171,7 @@ class StagedRunner:
             return runner
 
         health = Health(self.device, self, make, replan, self._ready, self._server_of, adapt)
-        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight, first)
+        return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight, first, in_flight)
 
     def _ready(self, server: str) -> bool:
         return self.device.pool.ready(server)
@@ -228,9 +239,9 @@ class RoundRobinRunner(StagedRunner):
 
     kind = "round-robin"
 
-    @property
-    def frames_at_once(self) -> int:
-        return len(self.plan.servers)
+    @classmethod
+    def least_depth(cls, plan: StagedPlan) -> int:
+        return len(plan.servers)
 
     def _prepare(self) -> None:
         self.turns: list[OffloadRunner] = []

@@ -1,16 +1,18 @@
 """Frame sources, all decoded by OpenCV: a camera index, a video file, an RTSP/HTTP URL, an image file, or a
 directory of images. Each yields BGR uint8 frames (OpenCV's order); a source that cannot be opened or
-read raises a UserError naming it.
+read raises a UserError naming it. `open_feed` puts a source behind the queue the pipeline takes its frames
+from (device/feed.py: a live source keeps its latest frame, and counts the ones it drops).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import cv2
 import cv2.utils.logging
 import numpy as np
+from deepco_device.feed import DROP_MODES, Feed, IterFeed, LiveFeed
 
 from deepco.errors import UserError
 
@@ -19,6 +21,7 @@ cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 URL_SCHEMES = ("rtsp://", "rtsps://", "http://", "https://", "rtmp://", "udp://", "tcp://")
+LIVE = ("camera", "url")  # sources that make frames on their own clock, whether the engine keeps up or not
 
 
 def describe(source: str) -> str:
@@ -80,6 +83,35 @@ def open_source(source: str, limit: int | None = None) -> Iterator[np.ndarray]:
         if limit is not None and count >= limit:
             return
         yield frame
+
+
+def drop_mode(source: str, drop: str | None, source_fps: float | None) -> str:
+    """What `deepco run --drop` means for ``source``: as given, else ``late`` for a live source (a camera, a
+    network stream, or a file, image or directory played with ``--source-fps``) and ``never`` for the rest.
+    Bad flags fail here, in one line, before anything starts."""
+    kind = describe(source)
+    if source_fps is not None:
+        if kind in LIVE:
+            raise UserError(f"--source-fps plays a file, image or directory as a live source; {source!r} is a "
+                            f"{kind}, with a clock of its own")
+        if not source_fps > 0:
+            raise UserError(f"--source-fps must be positive, got {source_fps:g}")
+    if drop is not None and drop not in DROP_MODES:
+        raise UserError(f"--drop must be one of {', '.join(DROP_MODES)}, got {drop!r}")
+    return drop or ("late" if kind in LIVE or source_fps is not None else "never")
+
+
+def open_feed(source: str, limit: int | None, drop: str | None, source_fps: float | None,
+              prepare: Callable[[np.ndarray], np.ndarray]) -> Feed:
+    """The frames of ``source`` (at most ``limit``) as the pipeline takes them (device.feed): a live source,
+    or any source with ``--drop late``, read on a thread of its own behind a queue of one frame (played at
+    ``source_fps`` when given); files, images and directories otherwise one by one as the pipeline has room.
+    ``prepare`` turns a frame taken into the pixels the runners take."""
+    mode = drop_mode(source, drop, source_fps)
+    frames = open_source(source, limit)
+    if describe(source) in LIVE or source_fps is not None or mode == "late":
+        return LiveFeed(mode, source_fps, prepare).start(frames)
+    return IterFeed(frames, prepare)
 
 
 def first_frame_check(source: str) -> None:

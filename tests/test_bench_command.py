@@ -54,3 +54,25 @@ def test_frames_until_adapted_is_the_first_frame_from_which_every_ten_stay_withi
     assert frames_until_adapted(after, fresh) == 4
     assert frames_until_adapted([0.400] * 30, fresh) is None  # never adapted within the phase
     assert frames_until_adapted([0.400] * 8 + [0.105] * 20 + [0.400] * 12, fresh) is None  # and fell back
+
+
+def test_the_live_and_slo_runs_are_medians_over_the_repeats_and_said_in_the_table():
+    runs = copy.deepcopy(json.loads(RECORDED.read_text())["points"][0]["runs"][:3])
+    for k, run in enumerate(runs):  # capture-to-result p95 of 100, 120, 140 ms against a p50 of 50 ms
+        live = {"depth": 1, "capture_to_result_p50": 0.08, "capture_to_result_p95": 0.1 + 0.02 * k,
+                "first_third_p95": 0.1, "last_third_p95": 0.1, "latency_p50": 0.05, "latency_p95": 0.06,
+                "dropped": 140 + k, "done": 160 - k, "source_fps": 30.0, "engine_fps": 15.0,
+                "single_frame_p50": 0.05}
+        run["live"] = {"late": live, "never": live | {"last_third_p95": 5.0 + k, "dropped": 0}}
+        run["slo"] = {"bound": 0.3, "met": True, "chosen": "offload, 2 frame(s) in flight", "chosen_fps": 9.0 + k,
+                      "chosen_p95": 0.25, "best_fps": 10.0, "chosen_over_best_fps": 0.9 + 0.1 * k}
+    point = bench_command.aggregate(runs)
+    assert point["live"]["late"]["capture_to_result_p95"] == pytest.approx(0.12)
+    assert point["live"]["late"]["dropped"] == 141 and point["live"]["never"]["last_third_p95"] == 6.0
+    assert point["slo"]["chosen_over_best_fps"] == pytest.approx(1.0) and point["slo"]["met"] == [True] * 3
+    text = bench_command.table(point)
+    assert ("live, --drop late, 1 in flight: source at 30.00 fps (2x the engine's 15.00), 159 frames done, 141 "
+            "dropped; capture to result p50 80.0 ms, p95 120.0 ms = 2.40x auto's single-frame p50 (50.0 ms)") in text
+    assert "p95 of the first third 100.0 ms, of the last 6000.0 ms" in text  # never: the queue grew
+    assert ("slo, bound 300.0 ms: chose offload, 2 frame(s) in flight (met: [True, True, True]): 10.00 fps, p95 "
+            "250.0 ms = 1.00 of the most fps measured within the bound (10.00)") in text

@@ -24,7 +24,8 @@ import pytest
 import torch
 from deepco_device.answers import check_outputs, output_specs, relative_error
 from deepco_device.preprocess import normalise
-from deepco_device.run_command import file_names, saved_outputs
+from deepco_device.run_command import file_names
+from deepco_device.run_report import saved_outputs
 from deepco_device.session import Device
 from deepco_device.staged import StagedPlanner, StagedRunner
 from deepco_server.app import ServeConfig, Server

@@ -11,11 +11,13 @@ from deepco_bench.benchmark import bound
 
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
+from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
     CostModel,
     Rates,
     local_plan,
     offload_plan,
+    pipelined,
     round_robin_fps,
     round_robin_plan,
     same_plan,
@@ -122,3 +124,21 @@ def test_throughput_counts_every_step_a_server_takes(costs):
     assert throughput(many, costs, r) < throughput(split_without, costs, without)
     assert 1 / throughput(many, costs, r) >= 4 * 0.05  # s0 takes 3 stages and the tail
     assert throughput(many, costs, r) < throughput(one, costs, r)
+
+
+def test_frames_in_flight_queue_at_the_busiest_resource(costs):
+    """`pipelined`, by hand: a local plan is one resource, so every extra frame in flight waits a whole frame
+    and adds no fps; an offload over free links is bound by its server (FLOPs and a step), so a second frame
+    in flight hides the request overhead and then waits for the server."""
+    r = rates(step_overhead=0.002, bw=1e12)
+    alone = costs.total_flops / 1e9
+    local = local_plan(costs, r)
+    assert pipelined(local, costs, r, 1) == pytest.approx((alone, 1 / alone))
+    assert pipelined(local, costs, r, 3) == pytest.approx((3 * alone, 1 / alone))
+    offload = offload_plan(costs, r, "s0")
+    server = costs.total_flops / 4e9 + 0.002
+    assert offload.predicted > server + 0.001  # the request overhead and the transfers come on top
+    assert pipelined(offload, costs, r, 1) == pytest.approx((offload.predicted, 1 / offload.predicted))
+    assert pipelined(offload, costs, r, 2) == pytest.approx((2 * server, 1 / server))
+    with pytest.raises(PlanningError, match="frames in flight must be >= 1, got 0"):
+        pipelined(local, costs, r, 0)

@@ -5,17 +5,22 @@ runtime executes."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 from deepco_device.preprocess import normalise
+from deepco_device.preprocess import pixels as camera_pixels
 from deepco_device.session import Device
+from deepco_device.sources import open_feed
 from deepco_device.staged import StagedPlanner, StagedRunner
 from test_server_support import serve_process
 
 from deepco.cluster import parse_cluster
 from deepco.planning.staged import DEVICE, split_plan
+
+PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +108,29 @@ def test_efficientnet_hybrid_is_exact(servers):
         cuts = [c.name for c in planner.costs.cuts]
         plan = split_plan(planner.costs, planner.rates(), ["s0", "s1"], [cuts[2], cuts[5]], True, "s0")
         check(dev, StagedRunner(dev, plan), pixels(224, 224, 5))
+
+
+def test_a_live_source_faster_than_the_plan_drops_late_frames_and_every_frame_in_is_exact(resnet):
+    """The photo played as a live source far faster than any plan (`deepco run --source-fps`): the frames that
+    entered leave in order with outputs equal to the whole model's, the latest one always among them; every
+    other frame is counted as dropped."""
+    runner = StagedRunner(resnet, StagedPlanner(resnet).named("offload"))
+    entered = []
+
+    def prepare(frame: np.ndarray) -> np.ndarray:
+        entered.append(camera_pixels(frame, 97, 131, resnet.preprocessing))
+        return entered[-1]
+
+    feed = open_feed(str(PHOTO), 12, None, 10000.0, prepare)
+    results = list(runner.run_frames(feed, depth=1))
+    done, dropped = [r.index for r in results], [d.index for d in feed.drops()]
+    assert sorted(done + dropped) == list(range(12)) and done == sorted(done)
+    assert dropped and done[-1] == 11 and len(entered) == len(results)
+    want = reference(resnet, entered[0])  # one photo: every frame's pixels are the same
+    for r, px in zip(results, entered, strict=True):
+        assert r.error is None and np.array_equal(px, entered[0])
+        assert float(np.abs(r.output - want).max()) / float(np.abs(want).max()) < 1e-4
+        assert r.capture_to_result >= r.latency > 0
 
 
 def test_run_frames_survives_a_failing_server(resnet, servers):

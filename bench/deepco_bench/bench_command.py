@@ -77,6 +77,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fps-frames", type=int, default=8,
                    help="frames per algorithm in the pipelined throughput run (default 8; 0: skip)")
     p.add_argument("--depth", type=int, default=2, help="frames in flight in the throughput run (default 2)")
+    p.add_argument("--live-frames", type=int, default=0, metavar="N",
+                   help="also play the photo as a live source at twice the engine's rate (auto's plan, measured at "
+                        "--live-depth first) for N frames, dropping "
+                        "late frames and not: capture-to-result p50/p95 against auto's single-frame p50, drops "
+                        "(needs auto in --algorithms; default 0: skip)")
+    p.add_argument("--live-depth", type=int, default=0, metavar="N",
+                   help="frames in flight in the --live-frames runs (default 0: the least past which the cost model "
+                        "predicts auto's plan no more fps)")
+    p.add_argument("--slo-factor", type=float, default=0.0, metavar="X",
+                   help="also run --objective slo with a bound of X times auto's measured p50, and measure every "
+                        "candidate plan and depth in the same run: the chosen fps against the best that met the "
+                        "bound (default 0: skip)")
     p.add_argument("--repeat", type=int, default=1,
                    help="independent repetitions (testbed, setup and plan each time); tables give medians "
                         "(default 1)")
@@ -156,7 +168,9 @@ def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: 
         worker = [sys.executable, "-m", "deepco_bench.benchmark", "--cluster", str(cluster), "--model", args.model,
                   "--input-size", args.input_size, "--algorithms", args.algorithms, "--frames", str(args.frames),
                   "--fps-frames", str(args.fps_frames), "--depth", str(args.depth),
-                  "--cut", args.cut, "--label", tb.label, "--out", str(out), *modelcard.to_argv(args)]
+                  "--cut", args.cut, "--label", tb.label, "--out", str(out), "--live-frames", str(args.live_frames),
+                  "--live-depth", str(args.live_depth), "--slo-factor", str(args.slo_factor),
+                  *modelcard.to_argv(args)]
         if spec.peer_mbps is not None:
             worker += ["--peer-mbps", str(spec.peer_mbps)]
         if not tb.kernel:
@@ -198,7 +212,8 @@ def aggregate(runs: list[dict]) -> dict:
         entries = [r["algorithms"][name] for r in runs]
         agg = {}
         for key in ("p50", "p95", "mean", "fps", "predicted", "measured_over_predicted", "predicted_fps",
-                    "p50_over_bound", "fps_over_bound"):
+                    "p50_over_bound", "fps_over_bound", "depth", "pipelined_p50", "predicted_pipelined",
+                    "pipelined_over_predicted"):
             values = [e[key] for e in entries if e.get(key) is not None]
             agg[key] = statistics.median(values) if values else None
         p50s = [e["p50"] for e in entries]
@@ -212,8 +227,58 @@ def aggregate(runs: list[dict]) -> dict:
             if key in entries[0]:
                 agg[key] = entries[0][key]
         point["algorithms"][name] = agg
+    point.update(aggregate_deadlines(runs))
     point["runs"] = runs
     return point
+
+
+LIVE_FIGURES = ("depth", "capture_to_result_p50", "capture_to_result_p95", "first_third_p95", "last_third_p95",
+                "latency_p50", "latency_p95", "dropped", "done", "source_fps", "engine_fps", "single_frame_p50")
+SLO_FIGURES = ("bound", "chosen_fps", "chosen_p95", "best_fps", "chosen_over_best_fps")
+
+
+def aggregate_deadlines(runs: list[dict]) -> dict:
+    """Medians over ``runs`` of the live and slo runs' figures (benchmark.deadlines), where they ran."""
+    def median(entries: list[dict], key: str) -> float | None:
+        values = [e[key] for e in entries if e.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    out: dict = {}
+    if all("live" in r for r in runs):
+        out["live"] = {drop: {k: median([r["live"][drop] for r in runs], k) for k in LIVE_FIGURES}
+                       for drop in runs[0]["live"]}
+    if all("slo" in r for r in runs):
+        out["slo"] = {k: median([r["slo"] for r in runs], k) for k in SLO_FIGURES}
+        out["slo"]["met"] = [r["slo"]["met"] for r in runs]
+        out["slo"]["chosen"] = [r["slo"]["chosen"] for r in runs]
+    return out
+
+
+def deadline_lines(point: dict) -> list[str]:
+    """The table's lines for the prediction at depth, the live and the slo runs (medians over the repeats)."""
+    at_depth = [f"{name} {r['pipelined_p50'] * 1e3:.1f}/{r['predicted_pipelined'] * 1e3:.1f} ms = "
+                f"{r['pipelined_over_predicted']:.2f}" for name, r in point["algorithms"].items()
+                if r.get("pipelined_over_predicted")]
+    lines = [f"with frames in flight (the throughput run), measured p50 / predicted: {'; '.join(at_depth)}"] \
+        if at_depth else []
+    for drop, r in point.get("live", {}).items():
+        if r["capture_to_result_p95"] is None:
+            continue
+        lines.append(f"live, --drop {drop}, {r['depth']:.0f} in flight: source at {r['source_fps']:.2f} fps "
+                     f"(2x the engine's {r['engine_fps']:.2f}), {r['done']:.0f} frames done, {r['dropped']:.0f} "
+                     f"dropped; capture to result p50 {r['capture_to_result_p50'] * 1e3:.1f} ms, p95 "
+                     f"{r['capture_to_result_p95'] * 1e3:.1f} ms = "
+                     f"{r['capture_to_result_p95'] / r['single_frame_p50']:.2f}x auto's single-frame p50 "
+                     f"({r['single_frame_p50'] * 1e3:.1f} ms); p95 of the first third "
+                     f"{r['first_third_p95'] * 1e3:.1f} ms, of the last {r['last_third_p95'] * 1e3:.1f} ms; compute "
+                     f"p50 {r['latency_p50'] * 1e3:.1f} ms")
+    s = point.get("slo")
+    if s:
+        best = (f"{s['chosen_over_best_fps']:.2f} of the most fps measured within the bound ({s['best_fps']:.2f})"
+                if s["best_fps"] else "no candidate met the bound when all were measured")
+        lines.append(f"slo, bound {s['bound'] * 1e3:.1f} ms: chose {'; '.join(dict.fromkeys(s['chosen']))} (met: "
+                     f"{s['met']}): {s['chosen_fps']:.2f} fps, p95 {s['chosen_p95'] * 1e3:.1f} ms = {best}")
+    return lines
 
 
 def violations(point: dict) -> list[str]:
@@ -286,6 +351,7 @@ def table(point: dict) -> str:
     for name in ("auto", "auto-throughput"):
         if name in algos:
             lines.append(f"{name} plan: {algos[name]['plan_text'][0]}")
+    lines += deadline_lines(point)
     lines += twins(point) + unpredicted(point)
     lines += [f"WARNING (measurement below the physical bound): {v}" for v in violations(point)]
     return "\n".join(lines)
@@ -349,6 +415,10 @@ def run(args: argparse.Namespace) -> int:
     resolve(args)
     if args.frames <= 0 or args.servers <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or args.repeat <= 0:
         raise UserError("--frames, --servers, --antennas, --bandwidth and --repeat must be positive")
+    if args.live_frames < 0 or args.slo_factor < 0 or args.live_depth < 0:
+        raise UserError("--live-frames, --live-depth and --slo-factor must be >= 0")
+    if (args.live_frames or args.slo_factor) and "auto" not in args.algorithms.split(","):
+        raise UserError("--live-frames and --slo-factor run auto's plan: put auto in --algorithms")
     if args.depth < 2 and args.fps_frames > 0:
         raise UserError("--depth must be at least 2: the throughput run pipelines frames")
     modelcard.from_args(args.model, args)  # a bad preprocessing flag or card fails before any testbed is built

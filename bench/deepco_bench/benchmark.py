@@ -5,7 +5,10 @@ measurements for every algorithm), then
 1. latency: one frame at a time per algorithm (nothing pipelined, so a frame's latency is its own),
    in a fresh order every round (`round_order`) so that drift on the machine hits all of them alike;
 2. throughput: for each algorithm a run of its own with frames pipelined (``--depth``, at least 2; for
-   round-robin one frame per server in flight), giving sustained frames per second.
+   round-robin one frame per server in flight), giving sustained frames per second;
+3. with ``--live-frames`` and ``--slo-factor``, issue 28's runs on `auto`'s plan (`deadlines`): the photo played
+   as a live source faster than the engine (capture-to-result latency, drops), and `--objective slo`'s
+   choice against every candidate plan and depth measured in the same run.
 Every output of every frame is checked against ONNX Runtime on the whole, unpartitioned model with the
 same preprocessing. Writes one JSON document with the physical bound of the point (see `bound`).
 
@@ -26,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from deepco_device.answers import relative_error
+from deepco_device.feed import LiveFeed
 from deepco_device.preprocess import IMAGENET, Preprocessing, normalise, pixels
 from deepco_device.session import ALGORITHMS as ROW_ALGORITHMS
 from deepco_device.session import Device
@@ -36,8 +40,11 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
+from deepco.planning.staged import pipelined
 
 WARMUP_FRAMES = 2
+LIVE_SPEEDUP = 2.0  # --live-frames plays its source this many times faster than the engine's own rate
+LIVE_PROBE_FRAMES = 30  # frames that measure the engine's own rate before the live runs
 LOADED, GO = "deepco-bench: model loaded", "go"  # the --handshake lines
 MODNN = ("modnn-sa", "modnn-ma")
 ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
@@ -87,13 +94,22 @@ class Runner:
 
             self.impl = ModnnRunner(device, name, peer_bytes_per_second=peer)
             self.predicted, self.predicted_fps, self.plan = self.impl.predicted, None, None
+            self.planner = None
         else:  # the paper's plans too: one staged runtime runs every plan
             from deepco_device.staged import StagedRunner
 
             plan = device.plan_for(name) if name in ROW_ALGORITHMS else objective_plans[name]
             self.impl = StagedRunner(device, plan)
             self.predicted, self.plan = plan.predicted, plan
-            self.predicted_fps = objective_plans["planner"].fps(plan)
+            self.planner = objective_plans["planner"]
+            self.predicted_fps = self.planner.fps(plan)
+
+    def predicted_at(self, depth: int) -> float | None:
+        """The predicted latency with ``depth`` frames in flight (`deepco.planning.staged.pipelined`; None:
+        not a staged plan)."""
+        if self.planner is None:
+            return None
+        return pipelined(self.plan, self.planner.costs, self.planner.rates(), depth)[0]
 
     def frame(self, px: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
         """Run one frame alone: (every output by name, seconds)."""
@@ -101,12 +117,13 @@ class Runner:
         outputs, _ = self.impl.run_frame(px)
         return outputs, time.perf_counter() - start
 
-    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[dict[str, np.ndarray]]]:
-        """Sustained frames per second with ``depth`` frames in flight, and the outputs."""
+    def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[dict[str, np.ndarray]],
+                                                                       list[float]]:
+        """Sustained frames per second with ``depth`` frames in flight, the outputs and each frame's latency."""
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=depth) as pool:
-            outputs = [out for out, _ in pool.map(lambda _: self.impl.run_frame(px), range(frames))]
-        return frames / (time.perf_counter() - start), outputs
+            done = list(pool.map(lambda _: self.impl.run_frame(px), range(frames)))
+        return frames / (time.perf_counter() - start), [out for out, _ in done], [t.latency for _, t in done]
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -161,12 +178,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 check(a, output)
                 latencies[a].append(latency)
         fps: dict[str, float] = {}
+        pipelined_p50: dict[str, tuple[int, float]] = {}  # the depth and the frames' p50 of the throughput run
         if args.fps_frames > 0:
             for a in tqdm(algorithms, desc="throughput (each pipelined)", file=sys.stderr):
                 plan = runners[a].plan
                 round_robin = plan is not None and plan.kind == "round-robin"  # one frame per server in flight
                 depth = max(args.depth, len(cluster.servers)) if round_robin else args.depth
-                fps[a], outputs = runners[a].throughput(px, max(args.fps_frames, 2 * depth), depth)
+                fps[a], outputs, seconds = runners[a].throughput(px, max(args.fps_frames, 2 * depth), depth)
+                pipelined_p50[a] = depth, float(np.percentile(seconds, 50))
                 for output in outputs:
                     check(a, output)
         limits = bound(device)
@@ -177,6 +196,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             entry["max_relative_error"] = worst[a]
             entry["fps"] = fps.get(a)
             entry["predicted_fps"] = r.predicted_fps
+            if a in pipelined_p50:  # the prediction `deepco run` prints, against the throughput run's frames
+                depth, p50 = pipelined_p50[a]
+                predicted = r.predicted_at(depth)
+                entry |= {"depth": depth, "pipelined_p50": p50, "predicted_pipelined": predicted,
+                          "pipelined_over_predicted": p50 / predicted if predicted else None}
             entry["p50_over_bound"] = entry["p50"] / limits["latency"]
             entry["fps_over_bound"] = None if entry["fps"] is None else entry["fps"] / limits["fps"]
             if r.plan is not None:
@@ -188,8 +212,90 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 entry["plan_text"] = device.describe_plan(r.plan)
             results[a] = entry
         measured = device.measured.to_dict() | {"step_overhead": planner.step_overhead}
+        extras = deadlines(args, planner, runners, results, px, lambda outputs: check("auto", outputs))
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,
-                "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results}
+                "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results} | extras
+
+
+def deadlines(args: argparse.Namespace, planner: StagedPlanner, runners: dict, results: dict, px: np.ndarray,
+              check) -> dict:
+    """The runs of issue 28's must-shows, on `auto`'s plan: ``live`` (``--live-frames``: the photo played as a
+    live source at ``LIVE_SPEEDUP`` times the engine's own rate at the same depth, measured first, once
+    dropping late frames, once not) and
+    ``slo`` (``--slo-factor``: `--objective slo` with a bound of that factor times `auto`'s measured p50,
+    against every candidate plan and depth measured in the same run)."""
+    out: dict = {}
+    if (args.live_frames > 0 or args.slo_factor > 0) and "auto" not in runners:
+        raise UserError("--live-frames and --slo-factor run auto's plan: put auto in --algorithms")
+    if args.live_frames > 0:
+        runner = runners["auto"].impl
+        depth = args.live_depth or saturating_depth(planner, runners["auto"].plan)
+        engine = engine_fps(runner, px, depth, min(args.live_frames, LIVE_PROBE_FRAMES))
+        out["live"] = {drop: live_run(runner, px, LIVE_SPEEDUP * engine, args.live_frames, depth, drop, check)
+                       | {"single_frame_p50": results["auto"]["p50"], "engine_fps": engine}
+                       for drop in ("late", "never")}
+    if args.slo_factor > 0:
+        out["slo"] = slo_run(planner, runners["auto"].plan, args.slo_factor * results["auto"]["p50"])
+    return out
+
+
+def saturating_depth(planner: StagedPlanner, plan) -> int:
+    """The frames in flight past which the cost model predicts no more fps for ``plan`` (more would only queue,
+    and a live source's results would come older): the deepest of `deepco.planning.slo.options`."""
+    from deepco_device.planner import least_depth
+
+    from deepco.planning.slo import options
+
+    return options([plan], planner.costs, planner.rates(), least_depth)[-1].depth
+
+
+def engine_fps(runner, px: np.ndarray, depth: int, frames: int) -> float:
+    """The engine's own rate with ``depth`` frames in flight: ``frames`` frames of a file taken as fast as the
+    pipeline takes them (frames / wall time)."""
+    start = time.perf_counter()
+    for _ in runner.run_frames([px] * frames, depth=depth):
+        pass
+    return frames / (time.perf_counter() - start)
+
+
+def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: str, check) -> dict:
+    """``frames`` copies of ``px`` played as a live source at ``fps`` (device.feed.LiveFeed, a real clock)
+    through ``runner`` with ``depth`` frames in flight: capture-to-result and compute latency percentiles
+    (overall, and the p95 of the first and last third, to see whether it grows), frames dropped."""
+    feed = LiveFeed(drop, fps).start(iter([px] * frames))
+    ages, latencies, failed = [], [], 0
+    start = time.perf_counter()
+    for result in runner.run_frames(feed, depth=depth):
+        if result.error is not None:
+            failed += 1
+            continue
+        check(result.outputs)
+        ages.append(result.capture_to_result)
+        latencies.append(result.latency)
+    third = max(1, len(ages) // 3)
+    p = lambda values, q: float(np.percentile(values, q)) if values else None  # noqa: E731
+    return {"drop": drop, "source_fps": fps, "frames": frames, "depth": depth, "done": len(ages),
+            "dropped": feed.dropped, "failed": failed, "seconds": time.perf_counter() - start,
+            "capture_to_result_p50": p(ages, 50), "capture_to_result_p95": p(ages, 95),
+            "first_third_p95": p(ages[:third], 95), "last_third_p95": p(ages[-third:], 95),
+            "latency_p50": p(latencies, 50), "latency_p95": p(latencies, 95), "capture_to_result": ages}
+
+
+def slo_run(planner: StagedPlanner, auto_plan, bound: float) -> dict:
+    """`--objective slo`'s choice with ``bound`` seconds, then every candidate (plan, depth) measured the same
+    way in the same run: the chosen one's fps against the most fps among those that met the bound."""
+    candidates = planner.slo_options(auto_plan)
+    choice = planner.choose_slo(bound, candidates=candidates)
+    every = planner.measure_options(candidates)
+    meeting = [t for t in every if t.p95 <= bound]
+    best = max(meeting, key=lambda t: t.fps, default=None)
+    again = next(t for t in every if t.option == choice.option)
+    return {"bound": bound, "met": choice.met, "chosen": choice.option.describe(), "chosen_depth": choice.option.depth,
+            "chosen_fps": again.fps, "chosen_p95": again.p95,
+            "best": best.option.describe() if best else None, "best_fps": best.fps if best else None,
+            "chosen_over_best_fps": again.fps / best.fps if best else None,
+            "trials": [{"plan": t.option.describe(), "depth": t.option.depth, "predicted_latency": t.option.latency,
+                        "predicted_fps": t.option.fps, "p95": t.p95, "fps": t.fps} for t in every]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cut", default="auto")
     p.add_argument("--pace", action="store_true")
     p.add_argument("--peer-mbps", type=float, default=None, help="the servers' own links (MoDNN's exchanges)")
+    p.add_argument("--live-frames", type=int, default=0,
+                   help=f"play the photo as a live source at {LIVE_SPEEDUP:g}x the engine's rate for N frames "
+                        "(0: skip)")
+    p.add_argument("--live-depth", type=int, default=0,
+                   help="frames in flight in the live runs (0: the least past which auto's plan is predicted no "
+                        "more fps)")
+    p.add_argument("--slo-factor", type=float, default=0.0,
+                   help="run --objective slo with a bound of this factor times auto's p50 (0: skip)")
     p.add_argument("--label", default="")
     p.add_argument("--out", required=True)
     p.add_argument("--handshake", action="store_true",

@@ -22,7 +22,8 @@ fastest plan: for every number of participants (strongest first, THREAD's associ
 tail placement and lookahead, a dynamic programme over the cut points picks the stage boundaries, and the
 exact simulation ranks the candidates (local and every offload included), then the band sizes are refined
 so that the first stage's participants finish together. `throughput` is the matching model of sustained
-frames per second with frames pipelined (every resource's busy time per frame).
+frames per second with frames pipelined (every resource's busy time per frame), and `pipelined` the latency
+and fps of a given number of frames in flight.
 """
 
 from __future__ import annotations
@@ -391,6 +392,19 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
     if plan.tail is None:
         busy["device"] += costs.tail_flops(plan.levels[-1]) / rates.device_flops_per_second
     return 1.0 / max(busy.values())
+
+
+def pipelined(plan: StagedPlan, costs: CostModel, rates: Rates, depth: int) -> tuple[float, float]:
+    """Predicted ``(latency, fps)`` of ``plan`` with ``depth`` frames in flight, a new frame entering as one
+    leaves (`deepco run --depth`). Alone a frame takes L (``plan.predicted``, `predict`'s frame time); the
+    busiest resource takes B = 1 / `throughput` per frame. ``depth`` frames circulate through those
+    resources, so the fps is min(depth / L, 1 / B) and each frame takes depth / fps = max(L, depth * B):
+    once the busiest resource is saturated, more frames in flight only queue in front of it."""
+    if depth < 1:
+        raise PlanningError(f"frames in flight must be >= 1, got {depth}")
+    alone, busiest = plan.predicted, 1.0 / throughput(plan, costs, rates)
+    fps = min(depth / alone, 1.0 / busiest) if alone > 0 else 1.0 / busiest
+    return max(alone, depth * busiest), fps
 
 
 def round_robin_fps(costs: CostModel, rates: Rates, servers: Sequence[str]) -> float:

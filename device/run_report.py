@@ -1,0 +1,115 @@
+"""What `deepco run` reports and keeps: per-frame counts and the summary line (`Report`: compute and
+capture-to-result latency, drops, failures, the JSON log), and ``--save-outputs`` (`Saved`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+from deepco_device.feed import Dropped
+from deepco_device.records import FrameResult
+
+
+class Report:
+    """What `deepco run` counts as frames come out (and drops are reported), writes to the JSON log, and
+    sums up at the end."""
+
+    def __init__(self, predicted: float, depth: int, log_file):
+        self.predicted, self.depth, self.log_file = predicted, depth, log_file
+        self.start = self.end = time.perf_counter()
+        self.latencies: list[float] = []
+        self.ages: list[float] = []  # capture to result
+        self.failures = self.drops = 0
+
+    def fps(self) -> float:
+        """Frames done per second so far."""
+        return len(self.latencies) / max(1e-9, time.perf_counter() - self.start)
+
+    def dropped(self, drops: list[Dropped], quiet: bool) -> None:
+        """Count and log frames the feed dropped (device.feed.Dropped)."""
+        for d in drops:
+            self.drops += 1
+            if self.log_file:
+                self.log_file.write(json.dumps(d.log_record(self.start)) + "\n")
+                self.log_file.flush()
+            if not quiet:
+                print(f"frame {d.index}: dropped (late: a newer frame came before the pipeline had room)", flush=True)
+
+    def frame(self, result: FrameResult, predicted: float | None = None) -> None:
+        """Count and log one frame's result (``predicted``: its plan's prediction, default the run's)."""
+        if self.log_file:
+            record = result.log_record(self.predicted if predicted is None else predicted, self.start)
+            self.log_file.write(json.dumps(record) + "\n")
+            self.log_file.flush()  # a line per frame as it comes: the log can be followed live
+        if result.error is not None:
+            self.failures += 1
+            return
+        self.latencies.append(result.latency)
+        if result.capture_to_result is not None:
+            self.ages.append(result.capture_to_result)
+
+    def finish(self) -> None:
+        """The last frame is out: the run's wall time ends here (not after the device's models are unloaded)."""
+        self.end = time.perf_counter()
+
+    def summary(self) -> int:
+        """Print the summary line; the exit status."""
+        done, elapsed = len(self.latencies), self.end - self.start
+        if done:
+            p50, p95 = np.percentile(self.latencies, [50, 95])
+            a50, a95 = np.percentile(self.ages, [50, 95]) if self.ages else (np.nan, np.nan)
+            print(f"{done} frames in {elapsed:.2f} s: {done / elapsed:.1f} fps; latency mean "
+                  f"{np.mean(self.latencies) * 1e3:.1f} ms, p50 {p50 * 1e3:.1f}, p95 {p95 * 1e3:.1f}; capture to "
+                  f"result p50 {a50 * 1e3:.1f}, p95 {a95 * 1e3:.1f}; predicted {self.predicted * 1e3:.1f} ms at "
+                  f"{self.depth} frame(s) in flight; {self.drops} dropped; {self.failures} failed")
+        elif self.drops:
+            print(f"no frame done; {self.drops} dropped; {self.failures} failed")
+        if self.failures:
+            print(f"deepco run: {self.failures} frame(s) failed (see above)", file=sys.stderr)
+            return 1
+        return 0
+
+
+class Saved:
+    """``--save-outputs``: the inputs of the frames that entered the pipeline (dropped ones never did) and
+    their outputs (NaN rows for a failed frame), written as one .npz (`saved_outputs`)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.inputs: list[np.ndarray] = []
+        self.outputs: list[dict[str, np.ndarray] | None] = []  # per frame, None for a failed one
+
+    def input(self, x: np.ndarray) -> None:
+        """A frame entering (in order: the pipeline takes frames one at a time)."""
+        if self.path:
+            self.inputs.append(x)
+
+    def output(self, result: FrameResult) -> None:
+        """A frame's result, in order."""
+        if self.path:
+            self.outputs.append(result.outputs if result.error is None else None)
+
+    def write(self, channels: int, height: int, width: int) -> None:
+        """Write the file (nothing without ``--save-outputs``)."""
+        if not self.path:
+            return
+        empty = np.zeros((0, channels, height, width))
+        np.savez(self.path, inputs=np.concatenate(self.inputs) if self.inputs else empty,
+                 **saved_outputs(self.outputs))
+
+
+def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+    """The --save-outputs arrays of every frame's outputs (None: a failed frame, NaN rows): ``outputs`` for a
+    one-output model, else ``outputs/<name>`` for each output; nothing succeeded: ``outputs``, empty."""
+    first = next((f for f in frames if f is not None), None)
+    if first is None:
+        return {"outputs": np.zeros((0,))}
+    keys = {name: "outputs" if len(first) == 1 else f"outputs/{name}" for name in first}
+
+    def failed(like: np.ndarray) -> np.ndarray:
+        return np.full(like.shape, np.nan, dtype=like.dtype if like.dtype.kind == "f" else np.float64)
+
+    return {keys[name]: np.concatenate([f[name] if f is not None else failed(like) for f in frames])
+            for name, like in first.items()}
