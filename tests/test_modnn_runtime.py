@@ -58,7 +58,9 @@ CASES = [  # model, size, cut, servers, antennas, algorithm
 def test_modnn_equals_the_whole_model_and_servers_exchange_directly(servers, model, size, cut, count, antennas,
                                                                    algorithm):
     h, w = size
-    with make_device(servers, count, antennas, model, h, w, cut) as dev:
+    # MoDNN-MA spreads the servers over antennas of equal bandwidth; measured loopback "antennas" can differ
+    # twofold on a busy machine, and then one antenna for all is the right association: pace them at 100 Mbit/s
+    with make_device(servers, count, antennas, model, h, w, cut, pace=algorithm == "modnn-ma") as dev:
         runner = ModnnRunner(dev, algorithm)
         used = [a for a, g in enumerate(runner.groups) if g]
         assert sorted(i for g in runner.groups for i in g) == list(range(count))
