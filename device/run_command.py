@@ -21,7 +21,10 @@ from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
 
 if TYPE_CHECKING:  # scipy, through calibration: not on the CLI's start
+    from deepco.planning.lean_depth import LeanDepth
     from deepco.planning.slo import SloChoice, SloWatch
+
+DEFAULT_DEPTH = 2  # frames in flight without --depth (a live source dropping late frames tries from 1 up)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,8 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without it the zoo's ResNets have seeded random weights and their labels are noise")
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
-    p.add_argument("--depth", type=int, default=2,
-                   help="frames in flight at once (pipelining; --objective slo chooses it)")
+    p.add_argument("--depth", type=int, default=None,
+                   help=f"frames in flight at once (pipelining; default {DEFAULT_DEPTH}; --objective slo chooses "
+                        f"it; on a live source dropping late frames, without this flag, the fewest that keep the "
+                        f"measured frame rate, tried from 1 up to {DEFAULT_DEPTH})")
     p.add_argument("--drop", choices=["late", "never"], default=None,
                    help="late: a live source's frame that cannot enter yet is replaced by the next one (counted, "
                         "logged as dropped), so results stay fresh; never: every frame waits its turn. Default: "
@@ -90,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
     height, width = parse_size(args.input_size)
     _check_flags(args)
+    # Without --depth a live source dropping late frames finds its own (LeanDepth) from 1 up to the default
+    args.lean_depth, args.depth = args.depth is None, args.depth or DEFAULT_DEPTH
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
     drop_mode(args.source, args.drop, args.source_fps)
     cluster = load_cluster(args.cluster)
@@ -143,12 +150,12 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
-    watch = chosen.watch(depth, runner.frames_at_once)
+    watch = chosen.watch(depth, runner.frames_at_once, lean=args.lean_depth and getattr(feed, "drop", "") == "late")
     for result in runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
                                     in_flight=(lambda: watch.depth) if watch else None):
         results.dropped(feed.drops())
         results.emit(result, results.report.predicted)
-        if watch is not None and (line := watch.observe(result.latency)):
+        if watch is not None and result.error is None and (line := watch.observe(result.latency, result.delivered)):
             print(line, flush=True)
     results.dropped(feed.drops())
 
@@ -209,6 +216,8 @@ def _check_flags(args: argparse.Namespace) -> None:
                             "--plan or another --algorithm")
     elif args.max_latency is not None:
         raise UserError("--max-latency is the bound of --objective slo; give --objective slo too")
+    if args.depth is not None and args.depth < 1:
+        raise UserError(f"--depth must be at least 1, got {args.depth}")
 
 
 @dataclass(frozen=True)
@@ -234,11 +243,16 @@ class Chosen:
             print(self.slo.note(), flush=True)
         return latency
 
-    def watch(self, depth: int, least: int) -> SloWatch | None:
-        """With --objective slo, the watch that keeps the run within its bound."""
+    def watch(self, depth: int, least: int, lean: bool) -> SloWatch | LeanDepth | None:
+        """What changes the frames in flight during the run: with --objective slo, the watch that keeps the run
+        within its bound; with ``lean`` (a live source dropping late frames, --depth not given), the fewest
+        frames in flight that keep the measured frame rate (deepco.planning.lean_depth); else nothing."""
+        from deepco.planning.lean_depth import LeanDepth
         from deepco.planning.slo import SloWatch
 
-        return None if self.slo is None else SloWatch(self.slo.bound, depth, least)
+        if self.slo is not None:
+            return SloWatch(self.slo.bound, depth, least)
+        return LeanDepth(least, depth) if lean else None
 
 
 class _PlanCacheUse:

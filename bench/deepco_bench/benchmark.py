@@ -231,7 +231,10 @@ def deadlines(args: argparse.Namespace, planner: StagedPlanner, runners: dict, r
         runner = runners["auto"].impl
         depth = args.live_depth or saturating_depth(planner, runners["auto"].plan)
         engine = engine_fps(runner, px, depth, min(args.live_frames, LIVE_PROBE_FRAMES))
-        out["live"] = {drop: live_run(runner, px, LIVE_SPEEDUP * engine, args.live_frames, depth, drop, check)
+        # as `deepco run` does without --depth: a source dropping late frames settles its depth by measurement
+        lean = None if args.live_depth else runner.frames_at_once
+        out["live"] = {drop: live_run(runner, px, LIVE_SPEEDUP * engine, args.live_frames, depth, drop, check,
+                                      lean if drop == "late" else None)
                        | {"single_frame_p50": results["auto"]["p50"], "engine_fps": engine}
                        for drop in ("late", "never")}
     if args.slo_factor > 0:
@@ -258,27 +261,36 @@ def engine_fps(runner, px: np.ndarray, depth: int, frames: int) -> float:
     return frames / (time.perf_counter() - start)
 
 
-def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: str, check) -> dict:
+def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: str, check,
+             lean: int | None = None) -> dict:
     """``frames`` copies of ``px`` played as a live source at ``fps`` (device.feed.LiveFeed, a real clock)
-    through ``runner`` with ``depth`` frames in flight: capture-to-result and compute latency percentiles
-    (overall, and the p95 of the first and last third, to see whether it grows), frames dropped."""
+    through ``runner`` with ``depth`` frames in flight (``lean``: from that many up to ``depth``, as
+    `deepco.planning.lean_depth` settles it): capture-to-result and compute latency percentiles (overall, and
+    the p95 of the first and last third, to see whether it grows), frames dropped."""
+    from deepco.planning.lean_depth import LeanDepth
+
     feed = LiveFeed(drop, fps).start(iter([px] * frames))
+    watch = None if lean is None else LeanDepth(lean, depth)
     ages, latencies, failed = [], [], 0
     start = time.perf_counter()
-    for result in runner.run_frames(feed, depth=depth):
+    for result in runner.run_frames(feed, depth=depth, in_flight=(lambda: watch.depth) if watch else None):
         if result.error is not None:
             failed += 1
             continue
         check(result.outputs)
         ages.append(result.capture_to_result)
         latencies.append(result.latency)
+        if watch is not None:
+            watch.observe(result.latency, result.delivered)
+    depth = depth if watch is None else watch.depth
     third = max(1, len(ages) // 3)
     p = lambda values, q: float(np.percentile(values, q)) if values else None  # noqa: E731
     return {"drop": drop, "source_fps": fps, "frames": frames, "depth": depth, "done": len(ages),
             "dropped": feed.dropped, "failed": failed, "seconds": time.perf_counter() - start,
             "capture_to_result_p50": p(ages, 50), "capture_to_result_p95": p(ages, 95),
             "first_third_p95": p(ages[:third], 95), "last_third_p95": p(ages[-third:], 95),
-            "latency_p50": p(latencies, 50), "latency_p95": p(latencies, 95), "capture_to_result": ages}
+            "latency_p50": p(latencies, 50), "latency_p95": p(latencies, 95), "capture_to_result": ages,
+            "fps_per_depth": {} if watch is None else {str(d): r for d, r in watch.rates.items()}}
 
 
 def slo_run(planner: StagedPlanner, auto_plan, bound: float) -> dict:
