@@ -150,7 +150,8 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
-    watch = chosen.watch(depth, runner.frames_at_once, lean=args.lean_depth and getattr(feed, "drop", "") == "late")
+    lean = getattr(args, "lean_depth", False) and getattr(feed, "drop", "") == "late"
+    watch = chosen.watch(depth, runner.frames_at_once, lean=lean)
     for result in runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
                                     in_flight=(lambda: watch.depth) if watch else None):
         results.dropped(feed.drops())
