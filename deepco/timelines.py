@@ -6,7 +6,8 @@ placed on the frame's clock by the device.
   segment (or the tail) on one server, from the end of the server's previous compute (or its step's start)
   to the end of its own compute, plus the answer's encoding and sending after the last one; its overhead is
   that wall time less its compute (``overhead``), and less also its wait for peers' rows
-  (``overhead_less_halo``: what the server itself spends on messages, copies and Python).
+  (``overhead_less_halo``: what the server itself spends on messages, copies and Python; ``untimed``: the
+  part of it in no timed phase).
 - `gantt`: one frame as a Gantt chart, a row per participant and per antenna.
 
 Pure functions on JSON dicts, so a log read back draws the same chart as the run that wrote it.
@@ -31,7 +32,8 @@ def segment_steps(times: dict) -> list[dict]:
     """One server step's timeline (``times`` of a step, with ``phases`` and ``wall``) cut into segment steps:
     each from the previous compute's end (the step's start for the first) to its own compute's end, the last
     also through the answer's encoding and sending (to ``wall``). Each: level, wall, compute, halo, overhead
-    (wall less compute), overhead_less_halo. Empty when the server sent no timeline."""
+    (wall less compute), overhead_less_halo, untimed (in no phase: Python, copies, thread hand-overs). Empty
+    when the server sent no timeline."""
     phases = times.get("phases") or []
     computes = [p for p in phases if p["phase"] == "compute"]
     if not computes:
@@ -43,7 +45,8 @@ def segment_steps(times: dict) -> list[dict]:
         halo = sum(p["end"] - p["start"] for p in inside if p["phase"] == "halo")
         compute = c["end"] - c["start"]
         steps.append({"level": c["level"], "wall": end - begin, "compute": compute, "halo": halo,
-                      "overhead": end - begin - compute, "overhead_less_halo": end - begin - compute - halo})
+                      "overhead": end - begin - compute, "overhead_less_halo": end - begin - compute - halo,
+                      "untimed": end - begin - sum(p["end"] - p["start"] for p in inside)})
         begin = end
     return steps
 
@@ -73,7 +76,7 @@ def step_split(records: Iterable[dict]) -> dict[str, Any]:
     return {"frames": frames, "server_steps": len(jobs), "segment_steps": len(segments),
             "job": {k: median(jobs, k) for k in (*PHASE_NAMES, "wall", "device_wall")},
             "segment": {k: median(segments, k) for k in ("wall", "compute", "halo", "overhead",
-                                                         "overhead_less_halo")}}
+                                                         "overhead_less_halo", "untimed")}}
 
 
 def split_text(split: dict) -> str:
@@ -88,7 +91,8 @@ def split_text(split: dict) -> str:
         "server step: " + "  ".join(f"{p} {ms(job[p])}" for p in PHASE_NAMES)
         + f"  wall {ms(job['wall'])} (device saw {ms(job['device_wall'])})",
         f"segment step: wall {ms(seg['wall'])}  compute {ms(seg['compute'])}  halo {ms(seg['halo'])}  "
-        f"overhead {ms(seg['overhead'])} (less halo {ms(seg['overhead_less_halo'])})"])
+        f"overhead {ms(seg['overhead'])} (less halo {ms(seg['overhead_less_halo'])}; in no phase: "
+        f"{ms(seg['untimed'])})"])
 
 
 # What each bar means, and its colour: receive (the input's transfer and decoding), compute, exchange

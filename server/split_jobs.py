@@ -201,6 +201,7 @@ class Outgoing:
     def __init__(self, stub: dpb_grpc.DeepcoServiceStub, peer: int, address: str, timeout: float):
         self.peer, self.address = peer, address
         self.queue: queue.Queue[dpb.RowsMessage | None] = queue.Queue()
+        self.ended = False
         self.future = stub.SplitExchange.future(self._messages(), timeout=timeout)
 
     def _messages(self) -> Iterator[dpb.RowsMessage]:
@@ -228,9 +229,15 @@ class Outgoing:
             raise err
         self.queue.put(message)
 
+    def end(self) -> None:
+        """End the stream (once): the peer acknowledges when it has taken every message."""
+        if not self.ended:
+            self.ended = True
+            self.queue.put(None)
+
     def finish(self, timeout: float) -> None:
         """End the stream and wait for the peer's acknowledgement."""
-        self.queue.put(None)
+        self.end()
         try:
             self.future.result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -490,8 +497,10 @@ class SplitJobs:
             elif job.gather_to != job.me:
                 self._send_band(job, band, outgoing, result, deadline_total, clock)
             else:
-                result.outputs.extend(self._gather_and_finish(job, band, outgoing, result, active, clock))
+                self._gather_and_finish(job, band, outgoing, result, active, clock)
             sending = time.perf_counter()
+            for out in outgoing.values():  # every stream ended first: the peers' acknowledgements overlap
+                out.end()
             for out in outgoing.values():
                 out.finish(job.timeout)
             clock.since("send", sending, last)
@@ -515,8 +524,9 @@ class SplitJobs:
             if peer not in outgoing:
                 outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total)
             encoding = time.perf_counter()
-            piece = np.ascontiguousarray(band[:, :, a - own[0]:b - own[0]])
-            message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level, rows=encode_rows(piece, a))
+            piece = band[:, :, a - own[0]:b - own[0]]
+            message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level)
+            encode_rows(piece, a, into=message.rows)  # one copy of the rows, straight into the message
             clock.since("encode", encoding, j)
             outgoing[peer].send(message)
             result.messages_sent += 1
@@ -571,14 +581,14 @@ class SplitJobs:
             if y.ndim != 4 or c + (b - a) > y.shape[2]:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {list(y.shape)} for {name[:80]!r}; "
                               f"crop {c} + band {b - a} does not fit")
-            result.outputs.add(name=name, rows=encode_rows(np.ascontiguousarray(y[:, :, c:c + b - a]), a))
+            encode_rows(y[:, :, c:c + b - a], a, into=result.outputs.add(name=name).rows)
         clock.since("encode", encoding, 1)
 
     @staticmethod
     def _answer(result: dpb.SplitResult, rows: np.ndarray, start: int, clock: StepClock, level: int) -> None:
         """Put ``rows`` (starting at row ``start``) into the answer to the device, timed as encoding."""
         encoding = time.perf_counter()
-        result.output.CopyFrom(encode_rows(np.ascontiguousarray(rows), start))
+        encode_rows(rows, start, into=result.output)
         clock.since("encode", encoding, level)
 
     def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.SplitResult,
@@ -588,19 +598,18 @@ class SplitJobs:
         if peer not in outgoing:
             outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline)
         encoding = time.perf_counter()
-        piece = np.ascontiguousarray(band)
-        message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last,
-                                  rows=encode_rows(piece, job.bands[-1][job.me][0]))
+        message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last)
+        encode_rows(band, job.bands[-1][job.me][0], into=message.rows)
         clock.since("encode", encoding, last)
         outgoing[peer].send(message)
         result.messages_sent += 1
-        result.bytes_sent += piece.nbytes
+        result.bytes_sent += band.nbytes
 
     def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
                            result: dpb.SplitResult, active: Callable[[], bool],
-                           clock: StepClock) -> list[dpb.NamedRows]:
+                           clock: StepClock) -> None:
         """Every peer's band of the last level, stitched with ours, through the tail model: every output of
-        the model, by name."""
+        the model, by name, into ``result.outputs``."""
         last = len(job.models)
         pieces = [(job.bands[-1][job.me][0], band)]
         waited = time.perf_counter()
@@ -617,11 +626,10 @@ class SplitJobs:
                                 last + 1)
         encoding = time.perf_counter()
         try:
-            return named_rows(outputs)
+            named_rows(outputs, result.outputs)
         except ValueError as exc:
             raise invalid(f"SplitRun: the tail's output: {exc}") from None
-        finally:
-            clock.since("encode", encoding, last + 1)
+        clock.since("encode", encoding, last + 1)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
               outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
