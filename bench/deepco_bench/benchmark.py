@@ -89,6 +89,7 @@ class Runner:
 
     def __init__(self, name: str, device: Device, peer: float | None, objective_plans: dict):
         self.name, self.device = name, device
+        self.timelines: list[dict] = []  # each frame's FrameTiming.to_dict() (the JSON log's `staged`)
         if name in MODNN:
             from deepco_device.modnn import ModnnRunner
 
@@ -112,9 +113,10 @@ class Runner:
         return pipelined(self.plan, self.planner.costs, self.planner.rates(), depth)[0]
 
     def frame(self, px: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
-        """Run one frame alone: (every output by name, seconds)."""
+        """Run one frame alone: (every output by name, seconds); its timeline is kept in ``timelines``."""
         start = time.perf_counter()
-        outputs, _ = self.impl.run_frame(px)
+        outputs, timing = self.impl.run_frame(px)
+        self.timelines.append(timing.to_dict())
         return outputs, time.perf_counter() - start
 
     def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[dict[str, np.ndarray]],
@@ -202,6 +204,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 entry |= {"depth": depth, "pipelined_p50": p50, "predicted_pipelined": predicted,
                           "pipelined_over_predicted": p50 / predicted if predicted else None}
             entry["p50_over_bound"] = entry["p50"] / limits["latency"]
+            entry["timelines"] = r.timelines[-args.frames:]  # the timed frames' (bench/step_split.py, --gantt)
             entry["fps_over_bound"] = None if entry["fps"] is None else entry["fps"] / limits["fps"]
             if r.plan is not None:
                 entry["plan"] = r.plan.to_dict()
