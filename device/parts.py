@@ -14,8 +14,10 @@ from deepco_device.preprocess import Preprocessing
 from deepco_device.records import Measurements
 
 from deepco.cluster import Cluster
+from deepco.errors import UserError
 from deepco.modelcard import check_input
 from deepco.partition import Partitioner, load_model
+from deepco.partition.graph import model_size_problem
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning.calibration import with_compute_scale
 from deepco.planning.staged import CostModel, Rates
@@ -44,6 +46,9 @@ class ModelArtefacts:
         self.reference_model = load_model(self.spec, self.height, self.width, self.weights)
         how = self.preprocessing
         check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
+        problem = model_size_problem(self.reference_model, self.height, self.width)
+        if problem:
+            raise UserError(problem)
         self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
         self.partitioner = Partitioner(self.model, self.height, self.width)
 

@@ -18,7 +18,7 @@ from deepco_device.session import ALGORITHMS, Device
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from deepco.parsing import parse_size
+from deepco.partition.source import input_size
 from deepco.planning.staged import DEVICE, StagedPlan, split_shares
 from deepco.wire import security
 
@@ -31,10 +31,10 @@ def run(args: argparse.Namespace) -> int:
     if args.algorithm not in (*ALGORITHMS, *STAGED):
         raise UserError(f"--algorithm {args.algorithm} plans the abstract workload only; with --model choose "
                         f"one of {', '.join(ALGORITHMS)}, or the staged planner's {', '.join(STAGED)}")
-    height, width = parse_size(args.input_size)
     how = modelcard.from_args(args.model, args)
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
+    height, width = input_size(args.model, args.input_size)
     # With --json, stdout holds exactly one JSON object; progress goes to stderr.
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     staged = args.algorithm in STAGED

@@ -16,7 +16,7 @@ from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from deepco.parsing import parse_size
+from deepco.parsing import SIZE_HELP, parse_size
 from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
 
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco run`."""
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file (server addresses)")
     p.add_argument("--model", required=True, help="zoo model name or path to an .onnx file")
-    p.add_argument("--input-size", default="224x224", metavar="HxW")
+    p.add_argument("--input-size", default=None, metavar="HxW", help=SIZE_HELP)
     p.add_argument("--source", required=True, help="camera index, video file, rtsp/http URL, image, or directory")
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
     p.add_argument("--algorithm", default="auto",
@@ -88,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
     from deepco_device.session import Device
     from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
-    height, width = parse_size(args.input_size)
+    from deepco.partition.source import input_size
+
+    if args.input_size is not None:
+        parse_size(args.input_size)  # a bad size fails before anything starts; a missing one once the model is read
     _check_flags(args)
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
     drop_mode(args.source, args.drop, args.source_fps)
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
+    height, width = input_size(args.model, args.input_size)
     results = Results(args, Shown(how.output, args.output_dir))
 
     def prepare(frame: np.ndarray) -> np.ndarray:
