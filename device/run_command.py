@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
+    from deepco_device.feed import TakenFeed
     from deepco_device.preprocess import normalise, pixels
     from deepco_device.session import Device
     from deepco_device.sources import drop_mode, first_frame_check, open_feed
@@ -123,10 +124,13 @@ def run(args: argparse.Namespace) -> int:
             if results.shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            feed = open_feed(args.source, args.frames, args.drop, args.source_fps, prepare)
+            feed = TakenFeed(open_feed(args.source, args.frames, args.drop, args.source_fps, prepare))
             try:
                 results.start()
                 _run_frames(args, dev, cache, feed, results, give_up)
+            except KeyboardInterrupt:  # the CLI exits 130; first, what was done and what was cancelled
+                results.report.interrupted(feed.taken, args.quiet)
+                raise
             finally:
                 feed.close()
             results.report.finish()

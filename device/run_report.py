@@ -22,6 +22,7 @@ class Report:
         self.latencies: list[float] = []
         self.ages: list[float] = []  # capture to result
         self.failures = self.drops = 0
+        self.out: set[int] = set()  # the frames that came out, done or failed
 
     def fps(self) -> float:
         """Frames done per second so far."""
@@ -39,6 +40,7 @@ class Report:
 
     def frame(self, result: FrameResult, predicted: float | None = None) -> None:
         """Count and log one frame's result (``predicted``: its plan's prediction, default the run's)."""
+        self.out.add(result.index)
         if self.log_file:
             record = result.log_record(self.predicted if predicted is None else predicted, self.start)
             self.log_file.write(json.dumps(record) + "\n")
@@ -70,6 +72,24 @@ class Report:
             print(f"deepco run: {self.failures} frame(s) failed (see above)", file=sys.stderr)
             return 1
         return 0
+
+
+    def interrupted(self, taken: set[int], quiet: bool) -> None:
+        """Ctrl-C: the frames that entered (``taken``) and have no result are cancelled: a line each (unless
+        ``quiet``) and one JSON event in the log; then the summary of the frames done, and one line saying so."""
+        self.finish()
+        cancelled = sorted(taken - self.out)
+        if self.log_file:
+            event = {"event": "interrupted", "reason": "SIGINT (Ctrl-C)", "done": len(self.latencies),
+                     "failed": self.failures, "dropped": self.drops, "cancelled": cancelled,
+                     "at": self.end - self.start}
+            self.log_file.write(json.dumps(event) + "\n")
+            self.log_file.flush()
+        if not quiet:
+            for index in cancelled:
+                print(f"frame {index}: cancelled (interrupted)", flush=True)
+        self.summary()
+        print(f"interrupted: {len(self.latencies)} frame(s) done, {len(cancelled)} in flight cancelled", flush=True)
 
 
 class Saved:
