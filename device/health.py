@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from deepco_device.adaptation import Adaptation, Trial
@@ -48,12 +48,14 @@ class Health:
 
     def __init__(self, device, runner, make: Callable[[StagedPlan], Any],
                  replan: Callable[[set[str]], StagedPlan] | None, ready: Callable[[str], bool],
-                 server_at: Callable[[str], str | None], adapt: Adaptation | None = None):
+                 server_at: Callable[[str], str | None], adapt: Adaptation | None = None, *,
+                 unreached: Iterable[str] = (), measure: Callable[[str], None] | None = None):
         self.device, self.runner, self.make, self.replan = device, runner, make, replan
         self.ready, self.server_at, self.adapt = ready, server_at, adapt
+        self.measure = measure  # measures a server down since the start before it rejoins (it has no rate yet)
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
-        self.down: set[str] = set()
+        self.down: set[str] = set(unreached)  # down at the start: probed and rejoin like any other
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
         self._replanning = threading.Lock()  # one replan at a time (it may upload models)
@@ -124,7 +126,7 @@ class Health:
                 return
             self._probed = time.monotonic()
             candidates = sorted(self.down - self.liars)
-        back = [s for s in candidates if self.ready(s)]
+        back = [s for s in candidates if self.ready(s) and self._measured(s)]
         if not back:
             return
         with self._replanning:
@@ -149,6 +151,18 @@ class Health:
                 self.device.log(f"server {name} is back")
         if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
             self._consider(f"{', '.join(back)} back", margin=-math.inf)
+
+    def _measured(self, server: str) -> bool:
+        """Whether ``server``, which answers again, can be planned on: one down since the start is measured
+        first (a failure is one line, and it is probed again later)."""
+        if self.measure is None:
+            return True
+        try:
+            self.measure(server)
+        except UserError as err:  # ServerError included
+            self.device.log(f"server {server} answers but could not be measured: {err}")
+            return False
+        return True
 
     def observe(self, runner, timing: FrameTiming) -> None:
         """Live adaptation: feed a successful frame's timing. A frame of the running plan feeds the live rates

@@ -95,6 +95,9 @@ class Measured:
         self.measurements: Measurements | None = None
         self.compute_scale = 1.0
         self.step_overhead = 0.0
+        # servers down at the start, not measured: no plan counts on them until they answer and are measured
+        self.unreached: dict[str, str] = {}  # name -> why (e.g. 'connection refused')
+        self.probe_ratio = 1.0  # a server's rate on the model per FLOP/s on the probe (device.measuring.measure)
 
     def rates(self, exclude: Iterable[str] = ()) -> Rates:
         """The measured rates with the fitted compute scale and step overhead, without the servers in
@@ -106,6 +109,6 @@ class Measured:
         return r
 
     def servers(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Names of the servers not in ``exclude``, in cluster order."""
-        skip = set(exclude)
+        """Names of the servers not in ``exclude`` (nor unreached at the start), in cluster order."""
+        skip = set(exclude) | set(self.unreached)
         return [s.name for s in self.cluster.servers if s.name not in skip]

@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                     weights=args.weights, pace=args.pace, depth=args.depth,
                     log=lambda line: print(line, flush=True), security=security.from_args(args),
                     preprocessing=how) as dev:
+            results.report.events = dev.events  # logged with the frames (--json-log)
             cache = _PlanCacheUse(args, dev) if staged else None
             if cache is None or cache.cached is None:
                 dev.setup(rows=not staged)
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 feed.close()
             results.report.finish()
+            results.report.log_events()
     finally:
         results.close()
     return results.finish(how.channels, height, width)
@@ -263,8 +265,11 @@ class _PlanCacheUse:
         self.model = args.model
         if args.no_plan_cache or args.plan is not None or args.algorithm != "auto":
             return
-        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
         dev.load()
+        if dev.reach():  # the key names every server's id, which a server that is down cannot give
+            print(f"plan cache: not used: {', '.join(dev.reach())} down at start", flush=True)
+            return
+        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
         self.key = cache_key(dev, args.objective)
         self.cached = self.cache.load(self.key)
         if self.cached is not None:
