@@ -114,7 +114,7 @@ class Health:
             self.device.events.append({"event": "down", "server": server, "at": detected, "why": why,
                                        "replanned_in": took})
             self.device.log(f"server {server} down ({why}){good}; replanned in {took * 1e3:.1f} ms: "
-                            f"{new.plan.describe()}")
+                            f"{new.plan.brief()}")
         return None
 
     def rejoin(self) -> None:
@@ -146,7 +146,7 @@ class Health:
         for name in back:
             self.device.events.append({"event": "up", "server": name, "at": time.perf_counter()})
             if self.adapt is None:
-                self.device.log(f"server {name} is back; replanned: {new.plan.describe()}")
+                self.device.log(f"server {name} is back; replanned: {new.plan.brief()}")
             else:
                 self.device.log(f"server {name} is back")
         if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
@@ -205,7 +205,7 @@ class Health:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
             what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
-            self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.describe()}: {what}" if trial
+            self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.brief()}: {what}" if trial
                                                      else f"no plan: {what}"))
             trial = None
         if trial is None:  # not a line: on a busy machine change points come often, and nothing changes
@@ -231,10 +231,10 @@ class Health:
             self.adapt.live.restart()  # the new plan's samples have a bias of their own
             self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
                                        "why": trial.why, "at": time.perf_counter()})
-            self.device.log(f"switch: from {old.plan.describe()} to {trial.plan.describe()}: {trial.why}; "
-                            f"measured {trial.verdict()}")
+            self.device.log(f"switch: {old.plan.brief()} -> {trial.plan.brief()}: {trial.why}; measured "
+                            f"{trial.verdict()}")
             return
-        self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
+        self.device.log(f"kept {old.plan.brief()}: tried {trial.plan.brief()} ({trial.why}); measured "
                         f"{trial.verdict()}")
         trial.runner.close()
 
@@ -245,7 +245,7 @@ class Health:
             if trial is None or trial.runner is not runner:
                 return False
             self.trial = None
-        self.device.log(f"adapt: the trial of {trial.plan.describe()} failed ({exc}); kept the running plan")
+        self.device.log(f"adapt: the trial of {trial.plan.brief()} failed ({exc}); kept the running plan")
         return True
 
     def waiting_for(self) -> str:

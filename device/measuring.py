@@ -158,13 +158,14 @@ def probe_peers(channels: Channels, log: Callable[[str], None], up: list[int] | 
 
 def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSession, x: np.ndarray,
             reference: Cut, *, pace: bool, tag: str, log: Callable[[str], None],
-            skip: Collection[str] = ()) -> tuple[Measurements, float]:
+            skip: Collection[str] = (), step: Callable[[str], None] = lambda what: None) -> tuple[Measurements, float]:
     """Everything setup measures (see the module doc), on the servers not in ``skip`` (down at the start); and
     the ratio of the device's speed on the model to its speed on the probe, by which a server's probe rate
     becomes its rate on the model (`server_rates` times it: a server that joins later is measured so too).
     ``whole``: the device's session of the whole model; ``x``: a blank frame of pixels; ``reference``: the cut
     whose head's work the servers' probe is sized by."""
     name = whole.get_inputs()[0].name
+    step("measuring the device")
     device_rate = partitioner.total_flops / median_seconds(lambda: whole.run(None, {name: x}))
     # The probe's FLOPs run at another rate than the model's (a ResNet at 64x64 ran 5x slower per FLOP on
     # these servers than the probe): the device times the probe too, and takes the servers' rates on the model
@@ -172,9 +173,12 @@ def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSe
     shape, flops = probe_shape(reference.head_flops)
     probe, probe_x = device_session(probe_model().SerializeToString()), np.zeros(shape, np.float32)
     ratio = device_rate / (flops / median_seconds(lambda: probe.run(None, {"x": probe_x})))
+    step("measuring the servers")
     rates = {k: v * ratio for k, v in server_rates(channels, reference, tag, skip).items()}
     marshal = marshal_seconds_per_byte()
     up = [k for k, srv in enumerate(channels.cluster.servers) if srv.name not in skip]
+    step("measuring the antennas")
     bandwidths, overhead = probe_links(channels, pace, marshal, up[0])
+    step("measuring server to server")
     peer, peer_overhead = probe_peers(channels, log, up)
     return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead, marshal), ratio

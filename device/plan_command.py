@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 
 from deepco_device.planner import StagedPlanner
+from deepco_device.progress import Progress
 from deepco_device.session import ALGORITHMS, Device
 
 from deepco import modelcard
@@ -36,16 +37,19 @@ def run(args: argparse.Namespace) -> int:
     cluster.require_addresses()
     height, width = input_size(args.model, args.input_size)
     # With --json, stdout holds exactly one JSON object; progress goes to stderr.
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    progress = Progress()  # a bar on stderr while it measures and calibrates, where stderr is a terminal
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else progress.write
     staged = args.algorithm in STAGED
     with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
-                weights=args.weights, log=log, security=security.from_args(args), preprocessing=how) as dev:
+                weights=args.weights, log=log, security=security.from_args(args), preprocessing=how) as dev, progress:
+        dev.progress = progress.step
         if staged:
             dev.setup(rows=False)
             planner = StagedPlanner(dev)
             plan = planner.calibrate() if args.algorithm == "auto" else planner.named(args.algorithm)
         else:
             plan = dev.setup()
+        progress.close()  # planned: the results print below, without the bar
         if getattr(args, "save", None):
             save_plan(args.save, args.model, height, width, plan)
         if args.json:  # plan: the paper's rows; staged: the same plan as the runtime executes it

@@ -113,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
-                    weights=args.weights, pace=args.pace, depth=args.depth,
-                    log=lambda line: print(line, flush=True), security=security.from_args(args),
-                    preprocessing=how) as dev:
+                    weights=args.weights, pace=args.pace, depth=args.depth, log=results.progress.write,
+                    security=security.from_args(args), preprocessing=how) as dev:
+            dev.progress = results.progress.step
             results.report.events = dev.events  # logged with the frames (--json-log)
             cache = _PlanCacheUse(args, dev) if staged else None
             if cache is None or cache.cached is None:
@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             results.report.finish()
             results.report.log_events()
     finally:
+        results.progress.close()
         results.close()
     return results.finish(how.channels, height, width)
 
@@ -148,6 +149,7 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     from deepco_device.runners import StagedRunner
 
     chosen, rest = _plan(args, dev, cache, feed, results.emit)
+    results.progress.close()  # set up and calibrated: from here on, frame lines only
     if rest is None:
         return
     runner = StagedRunner(dev, chosen.plan)
@@ -169,9 +171,11 @@ class Results:
     its count and its saved output; the summary at the end."""
 
     def __init__(self, args: argparse.Namespace, shown: Shown):
+        from deepco_device.progress import Progress
         from deepco_device.run_report import Report, Saved
 
         self.args, self.shown = args, shown
+        self.progress = Progress()  # a bar on stderr while setting up and calibrating, where it is a terminal
         self.saved = Saved(args.save_outputs)
         self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
         self.report = Report(0.0, args.depth, self.log_file)
@@ -189,12 +193,12 @@ class Results:
         self.report.frame(result, predicted)
         self.saved.output(result)
         if result.error is not None:
-            print(f"frame {result.index}: ERROR {result.error}", flush=True)
+            self.progress.write(f"frame {result.index}: ERROR {result.error}")
             return
         shown = self.shown.frame(result.index, result.outputs)
         if not self.args.quiet:
-            print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  {shown}",
-                  flush=True)
+            self.progress.write(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  "
+                                f"{shown}")
 
     def close(self) -> None:
         """Close the JSON log."""

@@ -59,6 +59,7 @@ class Device:
         self.plan: StagedPlan | None = None
         self.cut: Cut | None = None
         self._reached: dict[str, str] | None = None  # `reach`'s answer, once asked
+        self.progress: Callable[[str], None] = lambda what: None  # a step of setup or calibration begins
         self._probe_cut: Cut | None = None  # what setup sized the servers' compute probe by
 
     # ---- the parts' attributes, as callers knew them -----------------------------------------------------
@@ -116,18 +117,21 @@ class Device:
         plans for itself, and the paper's plans over every cut would only cost time (seconds per cut on a
         weak device). Nothing is uploaded here: a runner uploads what its plan needs."""
         if self.partitioner is None:
+            self.progress("loading the model")
             self.load()
         p = self.partitioner
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
         if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
             cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
+        self.progress("waiting for the servers")
         down = self.reach()
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = device_session(self.model.SerializeToString())
         reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
         self._probe_cut = reference
         self.measurements.measurements, self.measurements.probe_ratio = measure(
-            self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag, log=self.log, skip=down)
+            self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag, log=self.log, skip=down,
+            step=self.progress)
         if not rows:
             return None
         self.plan = self.paper_plan(self.algorithm, cut=None if self.cut_spec == "auto" else self.cut_spec)
