@@ -79,9 +79,8 @@ class Trial:
         return statistics.median(self.tried) < statistics.median(self.running)
 
     def verdict(self) -> str:
-        """E.g. ``12.0 ms against 20.1 ms over 3 frames each``."""
-        return (f"{statistics.median(self.tried) * 1e3:.1f} ms against {statistics.median(self.running) * 1e3:.1f} ms "
-                f"over {len(self.tried)} frames each")
+        """E.g. ``12.0 vs 20.1 ms`` (medians of the frames each ran)."""
+        return f"{statistics.median(self.tried) * 1e3:.1f} vs {statistics.median(self.running) * 1e3:.1f} ms"
 
 
 class Adaptation:
@@ -147,4 +146,4 @@ class Adaptation:
         new, now = self.seconds(plan, rates), self.seconds(running, rates)
         if new >= now * (1 - margin):
             return None
-        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms", self.frames)
+        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms", self.frames)

@@ -16,7 +16,7 @@ from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from deepco.parsing import parse_size
+from deepco.parsing import SIZE_HELP, parse_size
 from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
 
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco run`."""
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file (server addresses)")
     p.add_argument("--model", required=True, help="zoo model name or path to an .onnx file")
-    p.add_argument("--input-size", default="224x224", metavar="HxW")
+    p.add_argument("--input-size", default=None, metavar="HxW", help=SIZE_HELP)
     p.add_argument("--source", required=True, help="camera index, video file, rtsp/http URL, image, or directory")
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
     p.add_argument("--algorithm", default="auto",
@@ -89,11 +89,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
+    from deepco_device.feed import TakenFeed
     from deepco_device.preprocess import normalise, pixels
     from deepco_device.session import Device
     from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
-    height, width = parse_size(args.input_size)
+    from deepco.partition.source import input_size
+
+    if args.input_size is not None:
+        parse_size(args.input_size)  # a bad size fails before anything starts; a missing one once the model is read
     _check_flags(args)
     # Without --depth a live source dropping late frames finds its own (LeanDepth) from 1 up to the default
     args.lean_depth, args.depth = args.depth is None, args.depth or DEFAULT_DEPTH
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
+    height, width = input_size(args.model, args.input_size)
     results = Results(args, Shown(how.output, args.output_dir))
 
     def prepare(frame: np.ndarray) -> np.ndarray:
@@ -115,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
-                    weights=args.weights, pace=args.pace, depth=args.depth,
-                    log=lambda line: print(line, flush=True), security=security.from_args(args),
-                    preprocessing=how) as dev:
+                    weights=args.weights, pace=args.pace, depth=args.depth, log=results.progress.write,
+                    security=security.from_args(args), preprocessing=how) as dev:
+            dev.progress = results.progress.step
+            results.report.events = dev.events  # logged with the frames (--json-log)
             cache = _PlanCacheUse(args, dev) if staged else None
             if cache is None or cache.cached is None:
                 dev.setup(rows=not staged)
@@ -126,14 +132,19 @@ def run(args: argparse.Namespace) -> int:
             if results.shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            feed = open_feed(args.source, args.frames, args.drop, args.source_fps, prepare)
+            feed = TakenFeed(open_feed(args.source, args.frames, args.drop, args.source_fps, prepare))
             try:
                 results.start()
                 _run_frames(args, dev, cache, feed, results, give_up)
+            except KeyboardInterrupt:  # the CLI exits 130; first, what was done and what was cancelled
+                results.report.interrupted(feed.taken, args.quiet)
+                raise
             finally:
                 feed.close()
             results.report.finish()
+            results.report.log_events()
     finally:
+        results.progress.close()
         results.close()
     return results.finish(how.channels, height, width)
 
@@ -145,6 +156,7 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     from deepco_device.runners import StagedRunner
 
     chosen, rest = _plan(args, dev, cache, feed, results.emit)
+    results.progress.close()  # set up and calibrated: from here on, frame lines only
     if rest is None:
         return
     runner = StagedRunner(dev, chosen.plan)
@@ -167,9 +179,11 @@ class Results:
     its count and its saved output; the summary at the end."""
 
     def __init__(self, args: argparse.Namespace, shown: Shown):
+        from deepco_device.progress import Progress
         from deepco_device.run_report import Report, Saved
 
         self.args, self.shown = args, shown
+        self.progress = Progress()  # a bar on stderr while setting up and calibrating, where it is a terminal
         self.saved = Saved(args.save_outputs)
         self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
         self.report = Report(0.0, args.depth, self.log_file)
@@ -187,12 +201,12 @@ class Results:
         self.report.frame(result, predicted)
         self.saved.output(result)
         if result.error is not None:
-            print(f"frame {result.index}: ERROR {result.error}", flush=True)
+            self.progress.write(f"frame {result.index}: ERROR {result.error}")
             return
         shown = self.shown.frame(result.index, result.outputs)
         if not self.args.quiet:
-            print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  {shown}",
-                  flush=True)
+            self.progress.write(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  "
+                                f"{shown}")
 
     def close(self) -> None:
         """Close the JSON log."""
@@ -270,8 +284,11 @@ class _PlanCacheUse:
         self.model = args.model
         if args.no_plan_cache or args.plan is not None or args.algorithm != "auto":
             return
-        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
         dev.load()
+        if dev.reach():  # the key names every server's id, which a server that is down cannot give
+            print(f"plan cache: not used: {', '.join(dev.reach())} down at start", flush=True)
+            return
+        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
         self.key = cache_key(dev, args.objective)
         self.cached = self.cache.load(self.key)
         if self.cached is not None:

@@ -171,7 +171,9 @@ class StagedRunner:
             runner._inflight = inflight  # one set of calls to cancel, whichever runner started them
             return runner
 
-        health = Health(self.device, self, make, replan, self._ready, self._server_of, adapt)
+        dev = self.device
+        health = Health(dev, self, make, replan, self._ready, self._server_of, adapt,
+                        unreached=dev.measurements.unreached, measure=dev.measure_server)
         return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight, first, in_flight)
 
     def _ready(self, server: str) -> bool:

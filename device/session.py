@@ -15,10 +15,11 @@ failover, rejoin, live adaptation: device/health.py, device/adaptation.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from deepco_device.measuring import device_session, measure
+from deepco_device.measuring import device_session, measure, server_rates
 from deepco_device.parts import Links, Measured, ModelArtefacts
 from deepco_device.preprocess import Preprocessing, preprocessing_for
 from deepco_device.records import Measurements
@@ -57,6 +58,9 @@ class Device:
         self.events: list[dict] = []  # down / up / change / switch, with times (perf_counter): device.health
         self.plan: StagedPlan | None = None
         self.cut: Cut | None = None
+        self._reached: dict[str, str] | None = None  # `reach`'s answer, once asked
+        self.progress: Callable[[str], None] = lambda what: None  # a step of setup or calibration begins
+        self._probe_cut: Cut | None = None  # what setup sized the servers' compute probe by
 
     # ---- the parts' attributes, as callers knew them -----------------------------------------------------
     cluster = property(lambda self: self.links.cluster, doc="The cluster file's servers and antennas.")
@@ -113,18 +117,21 @@ class Device:
         plans for itself, and the paper's plans over every cut would only cost time (seconds per cut on a
         weak device). Nothing is uploaded here: a runner uploads what its plan needs."""
         if self.partitioner is None:
+            self.progress("loading the model")
             self.load()
         p = self.partitioner
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
         if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
             cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
-        for k in range(len(self.cluster.servers)):
-            self.client(k, 0).wait_ready(timeout=10.0)
+        self.progress("waiting for the servers")
+        down = self.reach()
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = device_session(self.model.SerializeToString())
         reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
-        self.measurements.measurements = measure(self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag,
-                                                 log=self.log)
+        self._probe_cut = reference
+        self.measurements.measurements, self.measurements.probe_ratio = measure(
+            self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag, log=self.log, skip=down,
+            step=self.progress)
         if not rows:
             return None
         self.plan = self.paper_plan(self.algorithm, cut=None if self.cut_spec == "auto" else self.cut_spec)
@@ -132,6 +139,39 @@ class Device:
         if self.cut_spec == "auto":
             self.log(f"cut: {self.cut.name} (least predicted frame time)")
         return self.plan
+
+    def reach(self) -> dict[str, str]:
+        """The servers down at the start (name -> why), asked once (device.channels: all at once, so one that
+        is down delays the start by seconds, not ten per server): left out of measuring and planning until
+        they answer (then `measure_server` measures each, and it joins as a server back from down does:
+        device.health). One line names them; a UserError when no server answers."""
+        if self._reached is None:
+            self._reached = self.pool.reach()
+            names = [s.name for s in self.cluster.servers]
+            if len(self._reached) == len(names):
+                raise UserError("no server is reachable: " + "; ".join(
+                    f"{self.pool.client(n, 0).address}: {why}" for n, why in self._reached.items()))
+            self.measurements.unreached = dict(self._reached)
+            self.down.update(self._reached)  # nothing of ours is on them: not asked to unload on close
+            for name, why in self._reached.items():
+                self.events.append({"event": "down", "server": name, "at": time.perf_counter(),
+                                    "why": f"at start: {why}"})
+            if self._reached:
+                self.log("down at start: " + ", ".join(f"{n} ({self.pool.client(n, 0).address}: {why})"
+                                                       for n, why in self._reached.items())
+                         + f"; starting on {', '.join(n for n in names if n not in self._reached)}; "
+                         "they join when they answer")
+        return self._reached
+
+    def measure_server(self, name: str) -> None:
+        """Measure a server that was down at the start and now answers (its probe rate, as setup measured the
+        others), so that plans can count on it."""
+        if name not in self.measurements.unreached or self.measured is None:
+            return
+        others = {s.name for s in self.cluster.servers} - {name}
+        rate = server_rates(self.pool, self._probe_cut, self.tag, skip=others)[name]
+        self.measured.server_flops_per_second[name] = rate * self.measurements.probe_ratio
+        del self.measurements.unreached[name]
 
     def restore(self, measured: Measurements, compute_scale: float, step_overhead: float) -> None:
         """Take what an earlier setup measured and its calibration fitted (the plan cache, device.plan_cache)

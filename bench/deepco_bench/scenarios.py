@@ -55,7 +55,10 @@ def _run_argv(args: argparse.Namespace, cluster: Path, source: Path, frames: int
 
 
 def _logged(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines() if x.endswith("}")] if log.exists() else []
+    """The frames' lines of a run's JSON log (not its servers' down and up events)."""
+    if not log.exists():
+        return []
+    return [r for x in log.read_text().splitlines() if x.endswith("}") and "frame" in (r := json.loads(x))]
 
 
 def _change(tb: Testbed, scenario: str, records: list[dict], shares: list[float]) -> str:
