@@ -1,6 +1,7 @@
 """The cost of a server step, measured: real `deepco serve` processes on loopback, a real split plan, N frames.
 
     python bench/step_overhead.py [--model resnet18] [--input-size 224x224] [--servers 2] [--frames 30]
+                                  [--json-log F.jsonl] [--gantt F.png]
 
 The plan is a split over every server at several levels (an exchange of halo rows between each pair of
 segments) with the tail gathered on the first server, so each frame takes many steps. Prints, from the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import queue
 import re
 import statistics
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -32,7 +35,7 @@ from deepco_device.staged import StagedPlanner, StagedRunner
 from deepco.cluster import parse_cluster
 from deepco.parsing import parse_size
 from deepco.planning.staged import split_plan
-from deepco.timelines import split_text, step_split
+from deepco.timelines import gantt, split_text, step_split
 
 LEVELS = {"resnet18": ["layer1", "layer2.0", "layer2", "layer3.0", "layer3", "layer4"],
           "resnet50": ["layer1", "layer2", "layer3", "layer4"]}
@@ -63,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--frames", type=int, default=30)
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per server (default 1)")
+    p.add_argument("--json-log", metavar="FILE", help="write each frame's timeline, a JSON line each (as deepco run "
+                                                     "--json-log's `staged`; read by bench/step_split.py)")
+    p.add_argument("--gantt", metavar="FILE.png", help="draw the frame of median latency as a Gantt chart")
     args = p.parse_args(argv)
     h, w = parse_size(args.input_size)
     with contextlib.ExitStack() as stack:
@@ -92,8 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             error = float(np.abs(got - want).max()) / float(np.abs(want).max())
             if error >= 1e-4:
                 raise SystemExit(f"a frame differs from the whole model: relative error {error:.2e}")
-            records.append({"staged": timing.to_dict()})
+            records.append({"frame": len(records), "latency": latencies[-1], "error": None,
+                            "staged": timing.to_dict()})
         runner.close()
+    if args.json_log:
+        Path(args.json_log).write_text("".join(json.dumps(r) + "\n" for r in records))
+    if args.gantt:
+        median = sorted(records, key=lambda r: r["latency"])[len(records) // 2]
+        gantt(median["staged"], args.gantt, f"{args.model} {args.input_size}, {args.servers} servers on loopback: "
+                                            f"the frame of median latency, {median['latency'] * 1e3:.1f} ms")
     split = step_split(records)
     print(f"{args.model} {args.input_size}, {args.servers} servers, plan {plan.describe()}")
     print(f"frame p50 {statistics.median(latencies) * 1e3:.1f} ms (INDICATIVE: a shared machine)")

@@ -255,6 +255,42 @@ class Outgoing:
         self.future.cancel()
 
 
+class Streams:
+    """A job's outgoing exchange streams, one per peer it feeds, opened on a thread of their own as the job
+    starts: opening a stream (a gRPC call, and the thread that feeds it) then overlaps the first segment's
+    compute instead of delaying the first rows the job sends (bench/step_overhead.py's Gantt chart showed it
+    as the first send's bar)."""
+
+    def __init__(self, open_one: Callable[[int], Outgoing], peers: list[int]):
+        self._streams: dict[int, Outgoing] = {}
+        self._failed: BaseException | None = None
+        self._opened = threading.Event()
+        if peers:
+            threading.Thread(target=self._open_all, args=(open_one, peers), daemon=True).start()
+        else:
+            self._opened.set()
+
+    def _open_all(self, open_one: Callable[[int], Outgoing], peers: list[int]) -> None:
+        try:
+            for peer in peers:
+                self._streams[peer] = open_one(peer)
+        except BaseException as exc:  # noqa: BLE001 - raised to the job by the first use
+            self._failed = exc
+        finally:
+            self._opened.set()
+
+    def opened(self) -> list[Outgoing]:
+        """Every stream opened (opening waits on nothing remote: this returns at once)."""
+        self._opened.wait()
+        return list(self._streams.values())
+
+    def __getitem__(self, peer: int) -> Outgoing:
+        self._opened.wait()
+        if self._failed is not None:
+            raise self._failed
+        return self._streams[peer]
+
+
 @dataclass
 class Job:
     """A validated SplitRequest."""
@@ -285,6 +321,14 @@ class Job:
         if level == 0 and self.lookahead:
             return {}
         return sends(self.bands, self.windows, level, self.me)
+
+    @property
+    def feeds(self) -> list[int]:
+        """The peers this server sends rows to (exchanges, and its band to the one that gathers)."""
+        fed = {peer for level in range(len(self.models)) for peer in self.sends(level)}
+        if self.gather_to is not None and self.gather_to != self.me:
+            fed.add(self.gather_to)
+        return sorted(fed)
 
     @property
     def threads(self) -> int:
@@ -484,24 +528,25 @@ class SplitJobs:
             self._run_level(job, result, clock)
             clock.finish()
             return result
-        outgoing: dict[int, Outgoing] = {}
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
+        outgoing = Streams(lambda peer: Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total),
+                           job.feeds)
         ok = False
         try:
             band = job.image
             for j, model in enumerate(job.models, start=1):
-                band = self._segment(job, j, model, band, outgoing, deadline_total, active, result, clock)
+                band = self._segment(job, j, model, band, outgoing, active, result, clock)
             last = len(job.models)
             if job.gather_to is None:
                 self._answer(result, band, job.bands[-1][job.me][0], clock, last)
             elif job.gather_to != job.me:
-                self._send_band(job, band, outgoing, result, deadline_total, clock)
+                self._send_band(job, band, outgoing, result, clock)
             else:
                 self._gather_and_finish(job, band, outgoing, result, active, clock)
             sending = time.perf_counter()
-            for out in outgoing.values():  # every stream ended first: the peers' acknowledgements overlap
+            for out in outgoing.opened():  # every stream ended first: the peers' acknowledgements overlap
                 out.end()
-            for out in outgoing.values():
+            for out in outgoing.opened():
                 out.finish(job.timeout)
             clock.since("send", sending, last)
             clock.finish()
@@ -509,26 +554,24 @@ class SplitJobs:
             return result
         finally:
             if not ok:
-                for out in outgoing.values():
+                for out in outgoing.opened():
                     out.cancel()
 
-    def _segment(self, job: Job, j: int, model, band: np.ndarray, outgoing: dict[int, Outgoing],
-                 deadline_total: float, active: Callable[[], bool], result: dpb.SplitResult,
-                 clock: StepClock) -> np.ndarray:
+    def _segment(self, job: Job, j: int, model, band: np.ndarray, outgoing: Streams, active: Callable[[], bool],
+                 result: dpb.SplitResult, clock: StepClock) -> np.ndarray:
         """Segment ``j`` of the job: send the peers their rows of level j-1 from ``band`` (this server's band of
         that level), gather the window from ``band`` and the peers' rows, run the segment; this server's band of
         level j."""
         level = j - 1
         own = job.bands[level][job.me]
         for peer, (a, b) in job.sends(level).items():
-            if peer not in outgoing:
-                outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total)
             encoding = time.perf_counter()
             piece = band[:, :, a - own[0]:b - own[0]]
             message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level)
             encode_rows(piece, a, into=message.rows)  # one copy of the rows, straight into the message
-            clock.since("encode", encoding, j)
+            sending = clock.since("encode", encoding, j)
             outgoing[peer].send(message)
+            clock.since("send", sending, j)
             result.messages_sent += 1
             result.bytes_sent += piece.nbytes
         lo, hi = job.windows[j][job.me]
@@ -591,21 +634,20 @@ class SplitJobs:
         encode_rows(rows, start, into=result.output)
         clock.since("encode", encoding, level)
 
-    def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.SplitResult,
-                   deadline: float, clock: StepClock) -> None:
+    def _send_band(self, job: Job, band: np.ndarray, outgoing: Streams, result: dpb.SplitResult,
+                   clock: StepClock) -> None:
         """This server's band of the last level, to the server that gathers it."""
         peer, last = job.gather_to, len(job.models)
-        if peer not in outgoing:
-            outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline)
         encoding = time.perf_counter()
         message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last)
         encode_rows(band, job.bands[-1][job.me][0], into=message.rows)
-        clock.since("encode", encoding, last)
+        sending = clock.since("encode", encoding, last)
         outgoing[peer].send(message)
+        clock.since("send", sending, last)
         result.messages_sent += 1
         result.bytes_sent += band.nbytes
 
-    def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
+    def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: Streams,
                            result: dpb.SplitResult, active: Callable[[], bool],
                            clock: StepClock) -> None:
         """Every peer's band of the last level, stitched with ours, through the tail model: every output of
@@ -632,7 +674,7 @@ class SplitJobs:
         clock.since("encode", encoding, last + 1)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
-              outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
+              outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
         """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
         the rows); counted in ``result``."""
         a, b = rows
@@ -646,7 +688,7 @@ class SplitJobs:
         result.bytes_received += array.nbytes
         return array
 
-    def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
+    def _wait(self, job: Job, level: int, peer: int, outgoing: Streams,
               active: Callable[[], bool]) -> tuple[np.ndarray, int]:
         """The rows of ``level`` from ``peer``: DEADLINE_EXCEEDED naming it if they do not come in time;
         fails at once if the job is cancelled or one of our own streams to a peer broke."""
@@ -657,7 +699,7 @@ class SplitJobs:
                 return got
             if not active():
                 raise Cancelled(f"split job {job.id!r} cancelled")
-            for out in outgoing.values():
+            for out in outgoing.opened():
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:

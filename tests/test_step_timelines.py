@@ -97,3 +97,13 @@ def test_step_split_refuses_a_missing_log_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "step_split.py"), str(tmp_path / "none.jsonl")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "none.jsonl" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_offloaded_frame_carries_its_servers_timeline(device):
+    runner = StagedRunner(device, StagedPlanner(device).named("offload"))
+    _, timing = runner.run_frame(pixels(64, 80, 2))
+    times = json.loads(json.dumps(timing.to_dict()))["times"]
+    assert [p["phase"] for p in times["phases"]] == ["input", "queue", "compute", "encode"]
+    assert times["compute"] > 0 and times["wall"] <= timing.latency
+    assert sum(p["end"] - p["start"] for p in times["phases"]) <= times["wall"] + 1e-9
+    assert 0 <= timing.servers[0].origin <= timing.latency - times["wall"] + 1e-9
