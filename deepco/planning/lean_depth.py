@@ -8,18 +8,27 @@ compute latency doubled to 210 ms (issue 28).
 So the depth is chosen the way `--objective slo` chooses: by what frames measure. `LeanDepth` starts at the
 least depth, tries one more for a window of results, keeps it only when the measured rate rises by
 ``GAIN``, and stops at the first depth that does not pay (or at the most it may use).
+
+The rate at ``d`` frames in flight is ``d`` over the median latency of the window (Little's law: the
+pipeline is full whenever the source outruns it, which is when the depth matters). Each latency is a whole
+measurement, so a few frames decide, and the trial of a depth that does not pay ages only those few frames:
+timing the gaps between deliveries needed 8 frames a depth and put the capture-to-result p95 of a 300-frame
+live run in the trial's frames. With a source slower than the pipeline a deeper pipeline lets no frame wait,
+so keeping it costs nothing.
 """
 
 from __future__ import annotations
 
+import statistics
+
 GAIN = 0.10  # one more frame in flight must buy this much more measured fps
-WINDOW = 8  # results timed at each depth
+WINDOW = 5  # results timed at each depth
 SETTLE = 2  # results after a change of depth that are not timed (frames let in under the old depth)
 
 
 class LeanDepth:
-    """Fed each result's delivery time (seconds, any clock), it says how many frames to keep in flight
-    (``depth``) and, once it has decided, a line saying what it measured."""
+    """Fed each result's latency (seconds), it says how many frames to keep in flight (``depth``) and, once
+    it has decided, a line saying what it measured."""
 
     def __init__(self, least: int, most: int, window: int = WINDOW, gain: float = GAIN, settle: int = SETTLE):
         if least < 1 or most < least:
@@ -27,22 +36,22 @@ class LeanDepth:
         self.depth, self.most, self.window, self.gain, self.settle = least, most, window, gain, settle
         self.decided = least == most
         self.rates: dict[int, float] = {}  # measured fps per depth tried
-        self._times: list[float] = []
+        self._latencies: list[float] = []
         self._skip = settle
 
-    def observe(self, latency: float, delivered: float) -> str | None:
-        """Count one result delivered at ``delivered`` (``latency`` is not needed here: the rate is what
-        decides); a line when the depth is settled, else None."""
+    def observe(self, latency: float, delivered: float | None = None) -> str | None:
+        """Count one result of ``latency`` seconds (``delivered``, when it left, is not needed here); a line
+        when the depth is settled, else None."""
         if self.decided:
             return None
         if self._skip > 0:
             self._skip -= 1
             return None
-        self._times.append(delivered)
-        if len(self._times) <= self.window:
+        self._latencies.append(latency)
+        if len(self._latencies) < self.window:
             return None
-        self.rates[self.depth] = self.window / (self._times[-1] - self._times[0])
-        self._times, self._skip = [], self.settle
+        self.rates[self.depth] = self.depth / statistics.median(self._latencies)
+        self._latencies, self._skip = [], self.settle
         before = self.rates.get(self.depth - 1)
         pays = before is None or self.rates[self.depth] >= (1 + self.gain) * before
         if pays and self.depth < self.most:
