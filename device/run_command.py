@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
     if args.input_size is not None:
         parse_size(args.input_size)  # a bad size fails before anything starts; a missing one once the model is read
     _check_flags(args)
-    # Without --depth a live source dropping late frames finds its own (LeanDepth) from 1 up to the default
-    args.lean_depth, args.depth = args.depth is None, args.depth or DEFAULT_DEPTH
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
-    drop_mode(args.source, args.drop, args.source_fps)
+    late = drop_mode(args.source, args.drop, args.source_fps) == "late"
+    # Without --depth a live source dropping late frames finds its own (LeanDepth) from 1 up to the default
+    args.lean_depth, args.depth = args.depth is None and late, args.depth or DEFAULT_DEPTH
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     if args.pace:
@@ -162,8 +162,7 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
-    lean = getattr(args, "lean_depth", False) and getattr(feed, "drop", "") == "late"
-    watch = chosen.watch(depth, runner.frames_at_once, lean=lean)
+    watch = chosen.watch(depth, runner.frames_at_once, lean=getattr(args, "lean_depth", False))
     for result in runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
                                     in_flight=(lambda: watch.depth) if watch else None):
         results.dropped(feed.drops())
