@@ -13,54 +13,16 @@ CPU-bound; the question is how much slower.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import re
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-from deepco_bench.testbed import cgroup_root
+from deepco_bench.testbed_servers import server_under_quota
 
 from deepco.model_cache import cached_export
 from deepco.parsing import parse_size
 from deepco.wire.client import InferenceClient
 from deepco.zoo import export
-
-PERIOD_US = 100_000
-
-
-@contextlib.contextmanager
-def server(share: float, runs: int) -> Iterator[str]:
-    """A `deepco serve` with ``runs`` concurrent runs, in a cpu cgroup of its own holding ``share`` of a core."""
-    found = cgroup_root()
-    if found is None:
-        raise SystemExit("needs root and a writable cpu cgroup (the quota is the emulated server)")
-    version, root = found
-    group = Path(root) / f"deepco-bench-runs-{os.getpid()}-{runs}"
-    group.mkdir()
-    if version == "v1":
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(round(share * PERIOD_US)))
-    else:
-        (group / "cpu.max").write_text(f"{round(share * PERIOD_US)} {PERIOD_US}")
-    procs = str(group / "cgroup.procs")
-    proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", "--threads", "1",
-                             "--concurrent-runs", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, preexec_fn=lambda: Path(procs).write_text(str(os.getpid())))
-    try:
-        listening = re.search(r"listening on (\S+)", proc.stdout.readline())
-        if not listening:
-            raise SystemExit("the server did not start")
-        yield listening.group(1)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        group.rmdir()
 
 
 def measure(client: InferenceClient, feeds: dict[str, np.ndarray], frames: int, together: int) -> dict[str, float]:
@@ -96,7 +58,8 @@ def main() -> None:
     print(f"{'--concurrent-runs':>17} {'frames at once':>14} {'runs/s':>7} {'latency ms':>10} {'compute ms':>10} "
           f"{'queue ms':>8}")
     for runs in (1, 2):
-        with server(args.share, runs) as address, InferenceClient(address) as client:
+        serving = server_under_quota(args.share, "--threads", "1", "--concurrent-runs", str(runs))
+        with serving as address, InferenceClient(address) as client:
             client.load_model(model.SerializeToString(), "model")
             measure(client, feeds, 2, 1)  # warm-up
             for together in (2, 1):

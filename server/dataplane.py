@@ -29,9 +29,9 @@ class Admission:
 
     Running one at a time is Triton's default too (one execution instance per model): ONNX Runtime already
     spreads one run over the cores it is given, so two runs at once on one CPU share only slow each other
-    down. On a server held to 0.5 core, ResNet-18 at 224x224 made fewer runs per second two at a time than
-    one after another, and each took more than twice as long (bench/README.md); the planner's cost model
-    charges a server's frames one after another, which this makes true.
+    down. On a server held to 0.45 core, ResNet-18 at 224x224 sent two frames at a time: taking turns, 7.5 runs
+    a second at a median of 198 ms; both at once, 7.2 at 288 ms (bench/concurrent_runs.py, bench/README.md).
+    The planner's cost model charges a server's frames one after another, which this makes true.
     """
 
     def __init__(self, limit: int, running: int = 1):
