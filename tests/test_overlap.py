@@ -17,7 +17,7 @@ from test_staged_runtime import check, make_device, pixels
 
 from deepco.partition import Partitioner, load_model
 from deepco.planning import overlap
-from deepco.planning.staged import CostModel, Rates, StagedPlan, predict, split_plan, tables
+from deepco.planning.staged import CostModel, Rates, StagedPlan, in_parts, predict, split_plan, tables
 from deepco.wire import deepco_service_pb2 as dpb
 
 H, W = 97, 131  # odd: halos clipped unevenly
@@ -137,11 +137,9 @@ def test_a_split_run_in_parts_on_real_servers_equals_the_whole_model(resnet, lev
     costs, chosen = planner.costs, ["s0", "s1", "s2"]
     plan = split_plan(costs, planner.rates(), chosen, levels, lookahead, "s0" if tail else None, weights)
     assert plan is not None
-    names = [None, *levels]
-    parts = overlap.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), plan.bands,
-                               plan.windows, lookahead, chosen, "@device")
-    assert any(p for level in parts for p in level)
-    runner = StagedRunner(resnet, replace(plan, overlap=parts))  # in parts whatever the prediction says
+    parted = in_parts(plan, costs)  # in parts whatever the prediction says
+    assert parted.overlap
+    runner = StagedRunner(resnet, parted)
     for seed in range(2):
         check(resnet, runner, pixels(H, W, seed))
 
@@ -151,10 +149,7 @@ def test_parts_that_do_not_tile_the_band_are_refused(resnet, servers):
     levels = MODNN
     plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], levels, True, None)
     runner = StagedRunner(resnet, plan)
-    names = [None, *levels]
-    costs = planner.costs
-    parts = overlap.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), plan.bands,
-                               plan.windows, True, plan.servers, "@device")
+    parts = in_parts(plan, planner.costs).overlap
     (a, b), window, crop = parts[2][1][0]
     parts[2][1][0] = ((a, b - 1), window, crop)  # a row of the band left out
     runner.plan = replace(plan, overlap=parts)

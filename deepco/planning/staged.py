@@ -545,13 +545,20 @@ def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Se
     plan = _finish(StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
                               levels=list(levels), bands=bands, windows=windows, crops=crops, lookahead=lookahead,
                               tail=tail), costs, rates)
-    names: list[str | None] = [None, *levels]
-    parts = overlapping.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), bands,
-                                   windows, lookahead, chosen, DEVICE)
-    if not any(p for level in parts for p in level):
+    parted = in_parts(plan, costs)
+    if not parted.overlap:
         return plan
-    overlapped = _finish(replace(plan, overlap=parts), costs, rates)  # kept only where the model says it pays
-    return overlapped if overlapped.predicted < plan.predicted else plan
+    parted = _finish(parted, costs, rates)  # kept only where the model says it pays
+    return parted if parted.predicted < plan.predicted else plan
+
+
+def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
+    """``plan`` (a split) with every stage that can overlap its halo run in parts (`deepco.planning.overlap`),
+    not re-predicted; its ``overlap`` stays [] where no stage can."""
+    names: list[str | None] = [None, *plan.levels]
+    parts = overlapping.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), plan.bands,
+                                   plan.windows, plan.lookahead, plan.servers, DEVICE)
+    return replace(plan, overlap=parts if any(p for level in parts for p in level) else [])
 
 
 def scales_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], weights: Sequence[float] | None = None,
