@@ -323,7 +323,7 @@ class SplitRunner(StagedRunner):
         return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
                            windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
                            lookahead=plan.lookahead, tail=plan.servers.index(plan.tail) if plan.tail else None,
-                           tail_model=self.tail_name)
+                           tail_model=self.tail_name, parts=plan.overlap)
 
     def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
