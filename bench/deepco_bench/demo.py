@@ -113,7 +113,7 @@ def grace_hopper() -> Path:
 def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
     """A cpu cgroup with a quota of ``cores`` for the device process: (its cgroup.procs, what it is); (None,
     why not) where it cannot be made. Removed on exit, with anything still in it killed."""
-    from deepco_bench.testbed import cgroup_root, remove_everything
+    from deepco_bench.testbed import cgroup_root, cpu_group_of, remove_everything
 
     if os.geteuid() != 0:
         yield None, "cannot emulate a weak camera: a cgroup CPU quota needs root; the device runs at full speed"
@@ -122,7 +122,9 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
     if root is None:
         yield None, "cannot emulate a weak camera: no writable cpu cgroup here; the device runs at full speed"
         return
-    version, base = root
+    version = root[0]
+    base = cpu_group_of()  # inside the demo's own group: a share given to the demo bounds its camera and servers
+    base = base if base is not None and os.access(base, os.W_OK) else root[1]
     prefix = f"deepco-demo-{os.getpid()}"
     group = base / prefix
     try:
@@ -136,7 +138,7 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
         yield group / "cgroup.procs", (f"weak camera: the device process runs under a cgroup CPU quota of "
                                        f"{cores:g} core ({version}, {group})")
     finally:
-        remove_everything(prefix)  # the servers' groups too: their names begin with the camera's
+        remove_everything(prefix, base)  # the servers' groups too: their names begin with the camera's
 
 
 def quota_group(group: Path, version: str, cores: float) -> None:
@@ -406,7 +408,8 @@ def run(args: argparse.Namespace) -> int:
          f"Mbit/s (EMULATED); {camera_note.split(' (')[0]}")
     print(f"demo: picture written to {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"camera": camera, "rows": rows, "plans": results["plans"]}, indent=1))
+        Path(args.json).write_text(json.dumps({"camera": camera, "rows": rows, "plans": results["plans"],
+                                               "rates": results["rates"]}, indent=1))
     print(f"demo: done in {time.perf_counter() - started:.0f} s")
     return 0
 
