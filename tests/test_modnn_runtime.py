@@ -230,7 +230,7 @@ def test_a_paced_offload_sends_when_its_bytes_would_have_arrived(servers):
 
     from deepco.planning.staged import offload_plan_on
 
-    with make_device(servers, 1, 1, "resnet18", 64, 80, "layer1", pace=True, mbps=8.0) as dev:
+    with make_device(servers, 2, 1, "resnet18", 64, 80, "layer1", pace=True, mbps=8.0) as dev:
         runner = StagedRunner(dev, offload_plan_on("s0", 0))
         x = np.zeros((1, 3, 64, 80), np.uint8)
         try:
