@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +102,27 @@ def cgroup_root() -> tuple[str, Path] | None:
     if controllers.exists() and "cpu" in controllers.read_text().split() and os.access(CGROUP_V2, os.W_OK):
         return "v2", CGROUP_V2
     return None
+
+
+@contextlib.contextmanager
+def cpu_quota_group(name: str, share: float, period_us: int = 100_000) -> Iterator[Path]:
+    """A cpu cgroup ``name`` holding ``share`` of a core per ``period_us``; yields its ``cgroup.procs`` (write a
+    pid there to put a process in it) and removes the group after (its processes must have ended)."""
+    found = cgroup_root()
+    if found is None:
+        raise UserError("a CPU quota needs root and a writable cpu cgroup controller")
+    version, root = found
+    group = root / name
+    group.mkdir()
+    try:
+        if version == "v1":
+            (group / "cpu.cfs_period_us").write_text(str(period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(round(share * period_us)))
+        else:
+            (group / "cpu.max").write_text(f"{round(share * period_us)} {period_us}")
+        yield group / "cgroup.procs"
+    finally:
+        group.rmdir()
 
 
 def cpu_group_of(pid: int | str = "self") -> Path | None:
