@@ -55,6 +55,7 @@ class Health:
         self.measure = measure  # measures a server down since the start before it rejoins (it has no rate yet)
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
+        self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
         self.down: set[str] = set(unreached)  # down at the start: probed and rejoin like any other
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
@@ -191,10 +192,19 @@ class Health:
         once its models are on the servers."""
         with self.lock:
             if self.trial is not None or self._considering:
+                if margin == -math.inf:  # servers back: tried once the trial under way is decided
+                    self._joins_waiting = why
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
         self.background(self._propose, running, down, why, margin)
+
+    def _next(self) -> None:
+        """A trial was decided (or none made): the servers that came back meanwhile are tried now."""
+        with self.lock:
+            why, self._joins_waiting = self._joins_waiting, None
+        if why is not None:
+            self._consider(why, margin=-math.inf)
 
     def _propose(self, running, down: set[str], why: str, margin: float | None) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
@@ -217,6 +227,7 @@ class Health:
                 return
         if trial is not None:  # the plan changed meanwhile (a failover): this trial is moot
             trial.runner.close()
+        self._next()
 
     def _decide(self, trial: Trial) -> None:
         """Switch to the trial's plan if it measured faster, else give its models back; one line either way."""
@@ -233,10 +244,11 @@ class Health:
                                        "why": trial.why, "at": time.perf_counter()})
             self.device.log(f"switch: {old.plan.brief()} -> {trial.plan.brief()}: {trial.why}; measured "
                             f"{trial.verdict()}")
-            return
-        self.device.log(f"kept {old.plan.brief()}: tried {trial.plan.brief()} ({trial.why}); measured "
-                        f"{trial.verdict()}")
-        trial.runner.close()
+        else:
+            self.device.log(f"kept {old.plan.brief()}: tried {trial.plan.brief()} ({trial.why}); measured "
+                            f"{trial.verdict()}")
+            trial.runner.close()
+        self._next()
 
     def _abandon(self, runner, exc: ServerError) -> bool:
         """Whether ``runner`` is a trial's: then the trial ends (the frame is run again on the running plan)."""
@@ -246,6 +258,7 @@ class Health:
                 return False
             self.trial = None
         self.device.log(f"adapt: the trial of {trial.plan.brief()} failed ({exc}); kept the running plan")
+        self._next()
         return True
 
     def waiting_for(self) -> str:
