@@ -96,8 +96,9 @@ def test_one_of_three_down_starts_on_two_and_the_third_rejoins_when_it_comes_up(
     assert events[0]["why"] == "at start: connection refused"
     assert [r["frame"] for r in frames] == list(range(FRAMES)) and all(r["error"] is None for r in frames)
     assert {s["name"] for s in frames[0]["servers"]} == {"s0", "s1"}
-    after = [r for r in frames if r["captured"] > events[1]["at"]]
-    assert any("s2" in {s["name"] for s in r["servers"]} for r in after), "s2 never ran a frame after it came up"
+    # s2 was down from the start, so a frame on it ran after it came up (a frame's capture time says nothing
+    # here: frames wait in the queue, and those run after the return were often captured before it)
+    assert any("s2" in {s["name"] for s in r["servers"]} for r in frames), "s2 never ran a frame after it came up"
     data = np.load(saved)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     want = np.concatenate([session.run(None, {session.get_inputs()[0].name: x[None]})[0] for x in data["inputs"]])
