@@ -53,6 +53,7 @@ from deepco_server.security import is_loopback
 
 from deepco.parsing import split_address
 from deepco.planning.bands import NOT_A_SERVER, check_tables, receives, sends
+from deepco.planning.overlap import MAX_PARTS
 from deepco.planning.plan import PlanningError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
@@ -483,6 +484,9 @@ def _parts(level: dpb.SplitLevel, me: int, bands: list[tuple[int, int]], windows
     runs = [(_interval(p.rows), _interval(p.window), int(p.crop)) for p in level.parts[me].part]
     if not runs:
         return []
+    if len(runs) > MAX_PARTS:  # each part is an ORT run: a band cut row by row would multiply the job's compute
+        raise invalid(f"SplitRun: level {j} lists {len(runs)} parts for this server; at most {MAX_PARTS} (the "
+                      "interior and the two borders)")
     lo, hi = windows[me]
     cursor, rows = bands[me][0], sorted(r for r, _, _ in runs)
     for a, b in rows:

@@ -144,20 +144,36 @@ def test_a_split_run_in_parts_on_real_servers_equals_the_whole_model(resnet, lev
         check(resnet, runner, pixels(H, W, seed))
 
 
-def test_parts_that_do_not_tile_the_band_are_refused(resnet, servers):
+def _refused(resnet, servers, edit) -> grpc.RpcError:
+    """The error s1 answers a split whose level-2 parts for s1 were changed by ``edit(parts of s1)``."""
     planner = StagedPlanner(resnet)
-    levels = MODNN
-    plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], levels, True, None)
+    plan = split_plan(planner.costs, planner.rates(), ["s0", "s1", "s2"], MODNN, True, None)
     runner = StagedRunner(resnet, plan)
     parts = in_parts(plan, planner.costs).overlap
-    (a, b), window, crop = parts[2][1][0]
-    parts[2][1][0] = ((a, b - 1), window, crop)  # a row of the band left out
+    parts[2][1] = edit(parts[2][1])
     runner.plan = replace(plan, overlap=parts)
     request = runner.request("bad-parts", 1, pixels(H, W))
+    assert isinstance(request.levels[2].parts[1], dpb.ServerParts)
     stub = __import__("deepco.wire.deepco_service_pb2_grpc", fromlist=["x"]).DeepcoServiceStub(
         grpc.insecure_channel(servers[1].address))
     with pytest.raises(grpc.RpcError) as err:
         list(stub.SplitRun(request, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "parts of level 2" in err.value.details()
-    assert isinstance(request.levels[2].parts[1], dpb.ServerParts)
+    return err.value
+
+
+def test_parts_that_do_not_tile_the_band_are_refused(resnet, servers):
+    def leave_a_row_out(mine):
+        (a, b), window, crop = mine[0]
+        return [((a, b - 1), window, crop), *mine[1:]]
+
+    assert "parts of level 2" in _refused(resnet, servers, leave_a_row_out).details()
+
+
+def test_a_band_cut_into_more_parts_than_interior_and_borders_is_refused(resnet, servers):
+    # Each part is an ORT run on its own window: a band cut row by row would multiply the job's compute.
+    def row_by_row(mine):
+        (a, b), window, crop = mine[0]
+        return [((r, r + 1), window, crop) for r in range(a, b)] + mine[1:]
+
+    assert "at most 3" in _refused(resnet, servers, row_by_row).details()

@@ -28,6 +28,7 @@ Part = tuple[Interval, Interval, int]  # output rows of level j, window of level
 WindowOf = Callable[[int, int], object]  # output rows [a, b) -> a Window (input_rows, crop, flops)
 # One more ORT run of a stage (Python, the call, small-tensor inefficiency) on top of the step's fixed cost.
 PART_OVERHEAD = 0.002
+MAX_PARTS = 3  # a segment's runs on one server: the interior, the border above, the border below
 
 
 def interior(window: WindowOf, band: Interval, own: Interval) -> Interval | None:
