@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
-
 from deepco.cluster import Cluster
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
@@ -48,28 +46,30 @@ class Channels:
         'connection refused'), by name; {} when all are. Servers started together with the device get
         ``grace`` to come up; one that is down delays the start by ``grace``, not ``timeout``."""
         names = [s.name for s in self.cluster.servers]
-        futures = {name: grpc.channel_ready_future(self.client(name, 0).channel) for name in names}
+        reached: set[str] = set()
         changed = threading.Condition()
 
-        def done(_: grpc.Future) -> None:
+        def wait(name: str) -> None:  # a thread each: a server that is down waits out ``timeout`` on its own
+            try:
+                self.client(name, 0).wait_ready(timeout)
+            except ServerError:
+                return
             with changed:
+                reached.add(name)
                 changed.notify_all()
 
-        for future in futures.values():
-            future.add_done_callback(done)
+        for name in names:
+            threading.Thread(target=wait, args=(name,), daemon=True, name=f"deepco-reach-{name}").start()
         start = time.monotonic()
         first = None
         with changed:
             while True:
-                connected = [n for n, f in futures.items() if f.done() and not f.cancelled()]
-                if first is None and connected:
+                if first is None and reached:
                     first = time.monotonic()
                 end = start + timeout if first is None else min(start + timeout, first + grace)
-                if len(connected) == len(names) or time.monotonic() >= end:
+                if len(reached) == len(names) or time.monotonic() >= end:
                     break
                 changed.wait(end - time.monotonic())
-        for future in futures.values():
-            future.cancel()
         return {name: why for name in names if (why := self.not_ready(name)) is not None}
 
     def not_ready(self, name: str) -> str | None:

@@ -172,12 +172,17 @@ class InferenceClient:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the server answers ServerReady=true, or raise ServerError after ``timeout`` s."""
+        # A call that waits for the channel, not grpc.channel_ready_future: that future's polling thread outlives
+        # a timeout or a cancel and raises "Channel closed" (a thread traceback) once the channel is closed.
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise ServerError(self.address, grpc.StatusCode.UNAVAILABLE,
-                              f"not reachable within {timeout:g}s") from None
-        if not self.server_ready():
+            ready = self.inference.ServerReady(self._sent(pb.ServerReadyRequest()), timeout=timeout,
+                                               wait_for_ready=True).ready
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ServerError(self.address, grpc.StatusCode.UNAVAILABLE,
+                                  f"not reachable within {timeout:g}s") from None
+            raise ServerError.from_rpc(self.address, exc) from None
+        if not ready:
             raise ServerError(self.address, grpc.StatusCode.UNAVAILABLE, "server is not ready")
 
     def server_live(self) -> bool:

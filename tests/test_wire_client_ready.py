@@ -1,0 +1,57 @@
+"""Waiting for a server leaves nothing behind: a wait that times out, or that is abandoned when the channel
+closes, keeps no thread polling the channel (grpc.channel_ready_future's poller did, and it printed a
+"Channel closed" traceback from its thread once the device closed its channels)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+
+import pytest
+from deepco_server.app import ServeConfig, Server
+
+from deepco.wire.client import InferenceClient, ServerError
+
+
+def _refused_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _pollers() -> list[str]:
+    """Threads inside gRPC's connectivity poller now."""
+    return [str(tid) for tid, frame in sys._current_frames().items()
+            if any(f.f_code.co_name == "_poll_connectivity" for f in _stack(frame))]
+
+
+def _stack(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def test_a_wait_for_a_server_that_is_down_times_out_in_one_line_and_leaves_no_poller():
+    failures: list[BaseException] = []
+    old, threading.excepthook = threading.excepthook, lambda args: failures.append(args.exc_value)
+    try:
+        client = InferenceClient(_refused_address())
+        with pytest.raises(ServerError) as err:
+            client.wait_ready(timeout=0.5)
+        assert "not reachable within 0.5s" in str(err.value)
+        assert _pollers() == []
+        client.close()
+    finally:
+        threading.excepthook = old
+    assert failures == []
+
+
+def test_a_wait_for_a_server_that_is_up_answers_ready():
+    server = Server(ServeConfig(port=0, device="cpu", threads=1))
+    try:
+        with InferenceClient(server.address) as client:
+            client.wait_ready(timeout=10.0)
+            assert _pollers() == []
+    finally:
+        server.stop(grace=0)
