@@ -182,3 +182,22 @@ def test_plan_and_run_refuse_a_size_the_model_cannot_run_at_naming_it(cluster, c
     assert f"{model} does not run at 720x1280" in lines[0], lines[0]
     assert "multiples of 32: nearest 704x1280 below, 736x1280 above" in lines[0], lines[0]
     onnx.checker.check_model(onnx.load(model))  # the model itself is fine: only the size is wrong
+
+
+def test_the_scenario_bench_judges_every_output_of_every_saved_frame(two_outputs, tmp_path):
+    """`deepco bench --scenario` reads the run's --save-outputs back (it read `outputs`, which a two-output
+    model's file has not: a KeyError after the whole run); a failed frame is NaN, not exact."""
+    from deepco_bench.scenarios import frame_errors
+    from deepco_device.run_report import saved_outputs
+
+    inputs = np.random.default_rng(4).standard_normal((3, 1, 3, H, W)).astype(np.float32)
+    frames = [whole_model(two_outputs, x) for x in inputs]
+    frames[1] = None  # failed
+    log = tmp_path / "scenario.jsonl"
+    np.savez(log.with_suffix(".npz"), inputs=inputs[:, 0], **saved_outputs(frames))
+    errors = frame_errors(log, two_outputs, f"{H}x{W}")
+    assert len(errors) == 3 and np.isnan(errors[1]) and max(errors[0], errors[2]) <= 1e-6, errors
+    bad = saved_outputs([whole_model(two_outputs, x) for x in inputs])
+    bad["outputs/scores"][2] += 0.01  # scores are in [0, 1]: a 1% error in the second output alone is seen
+    np.savez(log.with_suffix(".npz"), inputs=inputs[:, 0], **bad)
+    assert frame_errors(log, two_outputs, f"{H}x{W}")[2] >= 0.005
