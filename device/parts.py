@@ -50,7 +50,7 @@ class ModelArtefacts:
         if problem:
             raise UserError(problem)
         self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
-        self.partitioner = Partitioner(self.model, self.height, self.width)
+        self.partitioner = Partitioner(self.model, self.height, self.width, name=self.spec)  # errors name it
 
     @property
     def costs(self) -> CostModel:

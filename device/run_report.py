@@ -137,13 +137,19 @@ class Saved:
                  **saved_outputs(self.outputs))
 
 
+def saved_key(name: str, outputs: int) -> str:
+    """The --save-outputs key of output ``name`` of a model with ``outputs`` outputs (`saved_outputs` writes,
+    readers of the file look up)."""
+    return "outputs" if outputs == 1 else f"outputs/{name}"
+
+
 def saved_outputs(frames: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
     """The --save-outputs arrays of every frame's outputs (None: a failed frame, NaN rows): ``outputs`` for a
     one-output model, else ``outputs/<name>`` for each output; nothing succeeded: ``outputs``, empty."""
     first = next((f for f in frames if f is not None), None)
     if first is None:
         return {"outputs": np.zeros((0,))}
-    keys = {name: "outputs" if len(first) == 1 else f"outputs/{name}" for name in first}
+    keys = {name: saved_key(name, len(first)) for name in first}
 
     def failed(like: np.ndarray) -> np.ndarray:
         return np.full(like.shape, np.nan, dtype=like.dtype if like.dtype.kind == "f" else np.float64)

@@ -34,7 +34,7 @@ from deepco_server.errors import InvalidArgument, ResourceExhausted, invalid
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, shape_inference
 
-from deepco.partition.shapes import fold_request_shapes
+from deepco.partition.shapes import fold_request_shapes, inference_skeleton
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 30  # tensors of one request alive at once (inputs, intermediates, outputs)
 SMALL_INITIALIZER_BYTES = 4096  # kept in the shape-inference skeleton: shapes, pads, axes live in these
@@ -175,7 +175,8 @@ def check_fixed_size_elements(model: ModelProto, name: str) -> None:
             node = producers.get(value.name)
             raise refuse(_node_label(node) if node is not None else f"tensor {value.name[:80]!r}", what)
     try:
-        inferred = shape_inference.infer_shapes(_skeleton(model), strict_mode=False).graph
+        skeleton = inference_skeleton(model, SMALL_INITIALIZER_BYTES)
+        inferred = shape_inference.infer_shapes(skeleton, strict_mode=False).graph
     except Exception:  # an invalid graph: ONNX Runtime and the request bound refuse it with their reasons
         return
     types = {v.name: v.type for v in [*inferred.value_info, *inferred.output]}
@@ -184,36 +185,6 @@ def check_fixed_size_elements(model: ModelProto, name: str) -> None:
             what = _variable_type(types[output]) if output in types else None
             if what is not None:
                 raise refuse(_node_label(node), what)
-
-
-def _skeleton(model: ModelProto) -> ModelProto:
-    """The model for shape inference: big initializers become graph inputs of the same type and shape (shape
-    inference needs their shapes, not their values), so inferring is cheap for a model of any size. Built
-    field by field: copying the whole model first would copy every weight."""
-    skeleton = ModelProto()
-    for descriptor, value in model.ListFields():
-        if descriptor.name == "graph":
-            continue
-        if descriptor.is_repeated:
-            getattr(skeleton, descriptor.name).extend(value)
-        elif descriptor.message_type is not None:
-            getattr(skeleton, descriptor.name).CopyFrom(value)
-        else:
-            setattr(skeleton, descriptor.name, value)
-    source, graph = model.graph, skeleton.graph
-    graph.name = source.name
-    graph.node.extend(source.node)
-    graph.input.extend(source.input)
-    graph.output.extend(source.output)
-    graph.value_info.extend(source.value_info)
-    graph.sparse_initializer.extend(source.sparse_initializer)
-    known = {i.name for i in source.input}
-    for init in source.initializer:
-        if init.ByteSize() <= SMALL_INITIALIZER_BYTES:
-            graph.initializer.append(init)
-        elif init.name not in known:
-            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    return skeleton
 
 
 def _value_bytes(value: onnx.ValueInfoProto) -> int | None:
@@ -238,7 +209,7 @@ class SizeBound:
 
     def __init__(self, model: ModelProto, name: str, max_request_bytes: int, inputs: list[str]):
         self.name, self.limit = name, max_request_bytes
-        self._skeleton = _skeleton(model).SerializeToString()
+        self._skeleton = inference_skeleton(model, SMALL_INITIALIZER_BYTES).SerializeToString()
         self._inputs = inputs  # the model's real inputs (graph inputs that are not initializers)
         self._cache: OrderedDict[tuple, tuple[int, str] | int] = OrderedDict()
         self._lock = threading.Lock()

@@ -131,3 +131,18 @@ def partition_compare(partition_ort, partition_sliced_run):
         return err
 
     return check
+
+
+@pytest.fixture(scope="module")
+def two_servers():
+    """Two in-process servers on loopback for one test module, with room for every plan's models (a split in
+    stages uploads a model per stage and server)."""
+    import contextlib
+
+    from deepco_server.app import ServeConfig, Server
+
+    with contextlib.ExitStack() as stack:
+        srvs = [Server(ServeConfig(port=0, device="cpu", threads=1, max_models=64, max_inflight=4)) for _ in range(2)]
+        for srv in srvs:
+            stack.callback(srv.stop, 0)
+        yield srvs

@@ -13,7 +13,6 @@ in-process servers on loopback.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from deepco_device.run_command import file_names
 from deepco_device.run_report import saved_outputs
 from deepco_device.session import Device
 from deepco_device.staged import StagedPlanner, StagedRunner
-from deepco_server.app import ServeConfig, Server
 from onnx import TensorProto, helper
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
@@ -43,12 +41,8 @@ PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_
 
 
 @pytest.fixture(scope="module")
-def servers():
-    with contextlib.ExitStack() as stack:
-        srvs = [Server(ServeConfig(port=0, device="cpu", threads=1, max_models=64, max_inflight=4)) for _ in range(2)]
-        for srv in srvs:
-            stack.callback(srv.stop, 0)
-        yield srvs
+def servers(two_servers):
+    return two_servers
 
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,12 @@ def _change(tb: Testbed, scenario: str, records: list[dict], shares: list[float]
     return f"server {name} (most work) to {shares[k] / 4:g} of a core"
 
 
-def _errors(log: Path, model: str, size: str) -> list[float]:
-    """Each saved output's relative error against the whole model (ONNX Runtime) on its saved input."""
+def frame_errors(log: Path, model: str, size: str) -> list[float]:
+    """Each saved frame's relative error against the whole model (ONNX Runtime) on its saved input: the worst
+    of its outputs, each judged on its own scale (a detector's heads); NaN for a failed frame."""
     import onnxruntime as ort
+    from deepco_device.answers import relative_error
+    from deepco_device.run_report import saved_key
 
     from deepco.parsing import parse_size
     from deepco.partition import load_model
@@ -90,11 +93,13 @@ def _errors(log: Path, model: str, size: str) -> list[float]:
     height, width = parse_size(size)
     session = ort.InferenceSession(load_model(model, height, width).SerializeToString(),
                                    providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
+    name, names = session.get_inputs()[0].name, [o.name for o in session.get_outputs()]
     out = []
-    for x, got in zip(saved["inputs"], saved["outputs"], strict=True):
-        want = session.run(None, {name: x[None].astype(np.float32)})[0][0]
-        out.append(float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12)))
+    for i, x in enumerate(saved["inputs"]):
+        got = {n: saved[saved_key(n, len(names))][i:i + 1] for n in names}
+        want = dict(zip(names, session.run(None, {name: x[None].astype(np.float32)}), strict=True))
+        failed = any(np.isnan(v).any() for v in got.values())
+        out.append(float("nan") if failed else relative_error(got, want))
     return out
 
 
@@ -146,7 +151,7 @@ def run_scenario(args: argparse.Namespace, workdir: Path) -> dict:
     switches = _switch_frames(out)
     fresh_p50 = statistics.median(r["latency"] for r in _logged(fresh_log)[5:])
     after = [r["latency"] for r in records[split:] if r["error"] is None]
-    errors = _errors(log, args.model, args.input_size)
+    errors = frame_errors(log, args.model, args.input_size)
     return {"scenario": args.scenario, "change": changed, "label": tb.label, "phase_frames": phase,
             "changed_after": split, "before": _phase(records[:split]), "after": _phase(records[split:]),
             "fresh_p50": fresh_p50,

@@ -96,8 +96,8 @@ def model_size_problem(model: onnx.ModelProto, height: int, width: int) -> str |
 class RowGraph:
     """Row-level analysis of one ONNX model for one input size (see the module docstring)."""
 
-    def __init__(self, model: onnx.ModelProto, height: int, width: int):
-        self.height, self.width = height, width
+    def __init__(self, model: onnx.ModelProto, height: int, width: int, name: str = "the model"):
+        self.height, self.width, self.name = height, width, name
         # shapes are constants once the size is fixed: a Shape feeding a Resize's sizes reads no rows
         self.model = fold_shapes(model, height, width)
         graph = self.model.graph
@@ -278,7 +278,7 @@ class RowGraph:
     def _static_shapes(self) -> dict[str, list[int]]:
         """Shapes of all tensors at batch 1 and the full image size; row sizes checked against ours."""
         try:
-            check_size(self.model, self.height, self.width)
+            check_size(self.model, self.height, self.width, self.name)
         except SizeError as exc:  # one error type for every "cannot partition this" to the callers
             raise PartitionError(str(exc)) from None
         static = copy.deepcopy(self.model)

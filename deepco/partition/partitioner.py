@@ -114,13 +114,15 @@ class Partitioner:
     >>> p.cost("layer2", 0, 10)             # one slice: output rows [0, 10) at the cut
     >>> head, tail = p.split("layer2")      # ONNX models: head on any slice, tail on the stitched cut
     >>> p.segments("layer2")                # the head cut at every cut before it (MoDNN's levels)
+
+    ``name`` is how errors name the model (its path or zoo name where the caller has one).
     """
 
-    def __init__(self, model: onnx.ModelProto, height: int, width: int):
+    def __init__(self, model: onnx.ModelProto, height: int, width: int, name: str = "the model"):
         if height <= 0 or width <= 0:
             raise PartitionError(f"input size must be positive, got {height}x{width}")
         self.height, self.width = height, width
-        self.graph = RowGraph(model, height, width)
+        self.graph = RowGraph(model, height, width, name)
         g = self.graph
         self.stop: Stop | None = g.stop
         self._flops = [node_flops(node, g.shapes) for node in g.nodes]

@@ -14,6 +14,7 @@ names the constraint and the nearest sizes above and below that do run.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Callable
 
@@ -29,7 +30,10 @@ class SizeError(UserError):
     """The model does not run at the asked input size (the message names the nearest sizes that do)."""
 
 
-def _image_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
+def _image_input(model: onnx.ModelProto, name: str | None = None) -> onnx.ValueInfoProto:
+    """The model's one image input (or its input called ``name``)."""
+    if name is not None:
+        return next(i for i in model.graph.input if i.name == name)
     inits = {t.name for t in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     if len(inputs) != 1:
@@ -37,11 +41,43 @@ def _image_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
     return inputs[0]
 
 
-def with_static_size(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelProto:
-    """A copy with the image input fixed to batch 1 and ``height`` x ``width`` (value_info dropped)."""
+def inference_skeleton(model: onnx.ModelProto, small_bytes: int = 4096) -> onnx.ModelProto:
+    """The model for shape inference: initializers over ``small_bytes`` become graph inputs of the same type
+    and shape (shape inference needs their shapes, not their values; shapes, pads and axes live in the small
+    ones), so inferring is cheap for a model of any size. Built field by field: copying the whole model first
+    would copy every weight."""
+    skeleton = onnx.ModelProto()
+    for descriptor, value in model.ListFields():
+        if descriptor.name == "graph":
+            continue
+        if descriptor.is_repeated:
+            getattr(skeleton, descriptor.name).extend(value)
+        elif descriptor.message_type is not None:
+            getattr(skeleton, descriptor.name).CopyFrom(value)
+        else:
+            setattr(skeleton, descriptor.name, value)
+    source, graph = model.graph, skeleton.graph
+    graph.name = source.name
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    graph.sparse_initializer.extend(source.sparse_initializer)
+    known = {i.name for i in source.input}
+    for init in source.initializer:
+        if init.ByteSize() <= small_bytes:
+            graph.initializer.append(init)
+        elif init.name not in known:
+            graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return skeleton
+
+
+def with_static_size(model: onnx.ModelProto, height: int, width: int, image: str | None = None) -> onnx.ModelProto:
+    """A copy with the image input (the one input that is no initializer, or the input called ``image``) fixed
+    to batch 1 and ``height`` x ``width`` (value_info dropped)."""
     static = copy.deepcopy(model)
     del static.graph.value_info[:]
-    vi = _image_input(static)
+    vi = _image_input(static, image)
     dims = vi.type.tensor_type.shape.dim
     if len(dims) != 4:
         raise UserError(f"input {vi.name!r} must be 4-d NCHW, it has {len(dims)} dimensions")
@@ -178,12 +214,13 @@ def _evaluate_constants(model: onnx.ModelProto, small: tuple[dict[str, list[int]
     model.graph.node.extend(kept)
 
 
-def size_problem(model: onnx.ModelProto, height: int, width: int) -> str | None:
-    """Why the whole model cannot run at ``height`` x ``width`` (strict shape inference), or None if it can."""
+def size_problem(model: onnx.ModelProto, height: int, width: int, image: str | None = None) -> str | None:
+    """Why the whole model cannot run at ``height`` x ``width`` (strict shape inference), or None if it can
+    (``image``: the image input's name, where the model has other inputs, as `inference_skeleton`'s)."""
     if height <= 0 or width <= 0:
         return f"the size {height}x{width} is not positive"
     try:
-        _infer(with_static_size(model, height, width), strict=True)
+        _infer(with_static_size(model, height, width, image), strict=True)
     except UserError:
         raise
     except Exception as exc:  # InferenceError, ValidationError, ...: the message says which node
@@ -191,62 +228,69 @@ def size_problem(model: onnx.ModelProto, height: int, width: int) -> str | None:
     return None
 
 
-def _nearest(ok, start: int, step: int, limit: int) -> int | None:
-    value = start + step
-    for _ in range(limit):
-        if value <= 0:
-            return None
-        if ok(value):
-            return value
-        value += step
-    return None
+STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the strides models have: powers of two
+
+
+def _up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _steps(runs: Callable[[int, int], bool], height: int, width: int) -> tuple[int, int] | None:
+    """The smallest (height step, width step) of `STEPS` at which the model runs near ``height`` x ``width``,
+    or None. A step counts only where two consecutive multiples run (the one at or above the size and the
+    next): 32x32 runs for a stride-32 model, so one multiple alone would call 31x31's constraint "multiples
+    of 2". Found together first (both axes on one step), then each axis with the other on that step."""
+    both = next((m for m in STEPS if runs(_up(height, m), _up(width, m)) and
+                 runs(_up(height, m) + m, _up(width, m) + m)), None)
+    if both is None:
+        return None
+    fixed_w, fixed_h = _up(width, both), _up(height, both)
+    step_h = next((s for s in STEPS if runs(_up(height, s), fixed_w) and runs(_up(height, s) + s, fixed_w)), both)
+    step_w = next((s for s in STEPS if runs(fixed_h, _up(width, s)) and runs(fixed_h, _up(width, s) + s)), both)
+    return step_h, step_w
+
+
+def _rule(step_h: int, step_w: int) -> str:
+    """The size rule in words: "multiples of 32", or each axis's where they differ."""
+    if step_h == step_w:
+        return f"multiples of {step_h}"
+    rows = "any height" if step_h == 1 else f"heights that are multiples of {step_h}"
+    cols = "any width" if step_w == 1 else f"widths that are multiples of {step_w}"
+    return f"{rows} and {cols}"
 
 
 def _short(problem: str) -> str:
     """ONNX's inference error cut to the node and the clash, e.g. "node '/Concat' (Concat): 45 vs 46 rows"."""
-    node = re.search(r"op_type:(\w+), node name: ([^)]*)\)", problem)
+    node = re.search(r"op_type:(\w+)(?:, node name: ([^)]*))?\)", problem)
     clash = re.search(r"Inferred=(\d+) Declared=(\d+) Dimension=(\d+)", problem)
-    if node and clash:
+    if not node:
+        return problem.rstrip(".")
+    where = f"node {node.group(2)!r} ({node.group(1)})" if node.group(2) else f"a {node.group(1)} node"
+    if clash:
         axis = {"2": "rows", "3": "columns"}.get(clash.group(3), f"entries along axis {clash.group(3)}")
-        return (f"node {node.group(2)!r} ({node.group(1)}) joins tensors of {clash.group(1)} and "
-                f"{clash.group(2)} {axis}")
-    return problem.rstrip(".")
+        return f"{where} joins tensors of {clash.group(1)} and {clash.group(2)} {axis}"
+    detail = problem.rsplit("] ", 1)[-1].rstrip(".")  # ONNX's own words, e.g. "Incompatible dimensions"
+    return f"{where}: {detail[:1].lower()}{detail[1:]}"
 
 
 def check_size(model: onnx.ModelProto, height: int, width: int, name: str = "the model") -> None:
     """Raise SizeError (one line) unless the whole model runs at ``height`` x ``width``.
 
-    The line names the failing node and its clash (from ONNX shape inference), the constraint as the
-    smallest power-of-two multiple the model runs at near the asked size (e.g. 32 for a stride-32
-    detector: 704x1280 below and 736x1280 above 720x1280), and the nearest sizes of any kind if closer.
+    The line names the failing node and its clash (from ONNX shape inference), the sizes the model runs at
+    near the asked one (`_steps`: e.g. multiples of 32 for a stride-32 detector) and the nearest of those
+    below and above (704x1280 and 736x1280 for 720x1280). Sizes are tried on the model's `inference_skeleton`
+    (no weights copied: a ResNet-152 is checked in milliseconds), each once.
     """
-    problem = size_problem(model, height, width)
+    skeleton, image = inference_skeleton(model), _image_input(model).name
+    problem = size_problem(skeleton, height, width, image)
     if problem is None:
         return
     head = f"{name} does not run at {height}x{width}: {_short(problem)}"
-    for m in (2, 4, 8, 16, 32, 64, 128, 256, 512):
-        above = (-(-height // m) * m, -(-width // m) * m)
-        below = (height // m * m, width // m * m)
-        if size_problem(model, *above) is None:
-            break
-    else:
+    runs = functools.cache(lambda h, w: size_problem(skeleton, h, w, image) is None)
+    steps = _steps(runs, height, width)
+    if steps is None:
         raise SizeError(f"{head}; no nearby size runs either")
-    below_ok = min(below) > 0 and size_problem(model, *below) is None
-    text = (f"{head}; it runs at multiples of {m}: nearest "
-            f"{f'{below[0]}x{below[1]}' if below_ok else 'none'} below, {above[0]}x{above[1]} above")
-    # any size closer than those, one axis at a time (the other from the multiple above)
-    near_h = [height] * 2
-    near_w = [width] * 2
-    if size_problem(model, height, above[1]) is not None:
-        ok_h = lambda v: size_problem(model, v, above[1]) is None  # noqa: E731
-        near_h = [_nearest(ok_h, height, -1, m), _nearest(ok_h, height, 1, m)]
-    if size_problem(model, above[0], width) is not None:
-        ok_w = lambda v: size_problem(model, above[0], v) is None  # noqa: E731
-        near_w = [_nearest(ok_w, width, -1, m), _nearest(ok_w, width, 1, m)]
-    closer = []
-    for side, h, w in (("below", near_h[0], near_w[0]), ("above", near_h[1], near_w[1])):
-        if h and w and (h, w) not in (below, above) and size_problem(model, h, w) is None:
-            closer.append(f"{h}x{w} {side}")
-    if closer:
-        text += f" (closest that run: {', '.join(closer)})"
-    raise SizeError(text)
+    below = (height // steps[0] * steps[0], width // steps[1] * steps[1])
+    above = (_up(height, steps[0]), _up(width, steps[1]))
+    shown = [f"{h}x{w}" if min(h, w) > 0 and runs(h, w) else "none" for h, w in (below, above)]
+    raise SizeError(f"{head}; it runs at {_rule(*steps)}: nearest {shown[0]} below, {shown[1]} above")
