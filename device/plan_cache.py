@@ -32,7 +32,7 @@ from deepco_device.plan_command import plan_document
 from deepco_device.records import Measurements
 
 from deepco.planning.staged import DEVICE, StagedPlan
-from deepco.wire.security import read_pem
+from deepco.wire.security import ChannelSecurity, read_pem
 
 FORMAT = 1  # the cache file's format: a file of another one is not read (one warning line), and is replaced
 
@@ -54,7 +54,7 @@ def _digest(data: bytes) -> str:
 def cache_key(device, objective: str) -> dict:
     """The key of ``device``'s plan (see the module doc), as JSON values. Waits for every server to be ready
     (a server that is not is the one-line error setup gives) and asks each for its id."""
-    cluster, security = device.cluster, device.security
+    cluster, security = device.cluster, device.security or ChannelSecurity()  # None: plain text, no token
     antennas = range(len(cluster.device.antennas))
     servers = []
     for k, server in enumerate(cluster.servers):

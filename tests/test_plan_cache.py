@@ -175,3 +175,31 @@ def test_servers_that_stop_during_live_calibration_lose_no_frame(net, tmp_path):
     for r, px in zip(results, frames, strict=True):
         want = session.run(None, {"input": normalise(px, IMAGENET)})[0]
         assert np.abs(r.output - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_the_key_changes_with_the_model_the_size_the_preprocessing_and_the_servers(net, tmp_path):
+    """Each part of the key moves the file (a miss: calibrated afresh); the same device gets the same file."""
+    from deepco_device.plan_cache import PlanCache, cache_key
+    from deepco_device.session import Device
+
+    from deepco.cluster import load_cluster
+    from deepco.modelcard import Preprocessing
+
+    other = tmp_path / "other.onnx"  # the same layers, other weights: another model
+    other.write_bytes(conv_model(channels=(3, 16, 16, 16, 16, 8), strides=(2, 1, 2, 1), seed=1))
+    files = PlanCache(tmp_path / "cache", lambda line: None)
+    with serving("box-1") as a, serving("box-2") as b:
+
+        def file(*servers: Server, model: Path = net, size: int = 64, objective: str = "latency", **kw) -> Path:
+            cluster = load_cluster(cluster_of(tmp_path / "cluster.toml", *(servers or (a,))))
+            with Device(cluster, str(model), size, size, log=lambda line: None, **kw) as dev:
+                dev.load()
+                return files.path(cache_key(dev, objective))
+
+        base = file()
+        assert file() == base
+        others = {"model": file(model=other), "input size": file(size=96), "another server": file(b),
+                  "a server more": file(a, b), "the servers' order": file(b, a),
+                  "objective": file(objective="throughput"),
+                  "preprocessing": file(preprocessing=Preprocessing(mean=(0.5, 0.5, 0.5)))}
+    assert base not in others.values() and len(set(others.values())) == len(others), others
