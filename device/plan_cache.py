@@ -138,3 +138,51 @@ class PlanCache:
             self.log(f"warning: plan cache {self.directory}: cannot write ({exc}); the next start calibrates again")
             return None
         return path
+
+
+def directory(given: str | None) -> Path:
+    """The plan cache's folder: ``given`` (``--plan-cache DIR``), else the XDG cache folder's ``deepco``, where
+    zoo exports are kept too."""
+    from deepco.model_cache import cache_home
+
+    return Path(given) if given else cache_home()
+
+
+class CacheUse:
+    """The plan cache as one command uses it: ``cached`` is the plan of a warm start (the device's measurements
+    and fit are restored from it), None on a cold one or where the cache is off (``folder`` None: `deepco run
+    --no-plan-cache`, or a plan that calibrates nothing). A server down at the start cannot give its id, so
+    the cache is not used then (one line): the run starts cold on the servers that are up. ``say``: where the
+    cache's lines go (stdout, or stderr beside a JSON output)."""
+
+    def __init__(self, device, folder: Path | None, model: str, objective: str, say: Callable[[str], None]):
+        self.cache: PlanCache | None = None
+        self.key: dict | None = None
+        self.cached: Cached | None = None
+        self.model, self.say = model, say
+        if folder is None:
+            return
+        device.load()
+        if device.reach():  # the key names every server's id, which a server that is down cannot give
+            say(f"plan cache: not used: {', '.join(device.reach())} down at start")
+            return
+        self.cache = PlanCache(folder, say)
+        self.key = cache_key(device, objective)
+        self.cached = self.cache.load(self.key)
+        if self.cached is not None:
+            c = self.cached
+            device.restore(c.measured, c.compute_scale, c.step_overhead)
+            say(f"plan cache: warm start from {self.cache.path(self.key)}: no measuring, no calibration")
+
+    def store(self, device, plan: StagedPlan, unsettled: str | None = None) -> None:
+        """Keep ``plan``, which calibration settled on, for the next start; nothing where calibration did not
+        run to its end (``unsettled`` says why: the plan was not measured against the others)."""
+        if self.cache is None:
+            return
+        if unsettled is not None:
+            self.say(f"plan cache: nothing written: {unsettled} before calibration settled")
+            return
+        m = device.measurements
+        path = self.cache.store(self.key, self.model, Cached(plan, m.measurements, m.compute_scale, m.step_overhead))
+        if path is not None:
+            self.say(f"plan cache: wrote {path}")

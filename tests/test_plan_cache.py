@@ -203,3 +203,31 @@ def test_the_key_changes_with_the_model_the_size_the_preprocessing_and_the_serve
                   "objective": file(objective="throughput"),
                   "preprocessing": file(preprocessing=Preprocessing(mean=(0.5, 0.5, 0.5)))}
     assert base not in others.values() and len(set(others.values())) == len(others), others
+
+
+def test_deepco_plan_calibrates_into_the_cache_that_run_starts_warm_from(capsys, net, tmp_path):
+    """`deepco plan --algorithm auto` keeps its calibrated plan where `deepco run` looks (and reads it back);
+    with --json its stdout stays one JSON object, the cache's lines going to stderr."""
+    cache = tmp_path / "cache"
+    with serving("box-1") as a, serving("box-2") as b:
+        cluster = cluster_of(tmp_path / "cluster.toml", a, b)
+        plan = ["plan", "--cluster", str(cluster), "--model", str(net), "--input-size", "64x64", "--algorithm", "auto"]
+        assert main([*plan, "--plan-cache", str(cache), "--json"]) == 0
+        out, err = capsys.readouterr()
+        cold = json.loads(out)["staged"]
+        (written,) = cache.glob("plan-*.json")
+        assert f"plan cache: wrote {written}" in err and "calibration (planned)" in err
+        assert json.loads(written.read_text())["plan"] == cold  # the plan printed is the plan kept
+
+        assert main([*plan, "--plan-cache", str(cache), "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["staged"] == cold and f"plan cache: warm start from {written}" in err
+        assert "calibration (" not in err
+
+        warm = run(capsys, cluster, net, "--plan-cache", str(cache), frames=4)
+        assert f"plan cache: warm start from {written}" in warm and "calibration (" not in warm
+
+        assert main([*plan, "--no-plan-cache"]) == 0
+        out, _ = capsys.readouterr()
+        assert "calibration (planned)" in out and "plan cache" not in out
+    assert list(cache.iterdir()) == [written]
