@@ -2,7 +2,8 @@
 
 It is the setup of `deepco run` (device.session.Device.setup) without a source: the model is analysed, the
 device, every server and every antenna are measured, every candidate cut is planned, and the chosen plan is
-printed. Setup uploads nothing but a small compute probe, which it unloads again.
+printed. Setup uploads nothing but a small compute probe, which it unloads again. auto's plan goes to the plan
+cache (device.plan_cache), where `deepco run` starts warm from it.
 """
 
 from __future__ import annotations
