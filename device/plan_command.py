@@ -77,7 +77,8 @@ def _staged(args: argparse.Namespace, dev: Device, log) -> tuple[StagedPlanner, 
     on = args.algorithm == "auto" and not args.no_plan_cache
     cache = CacheUse(dev, directory(args.plan_cache) if on else None, args.model, "latency", log)
     if cache.cached is not None:
-        return StagedPlanner(dev), cache.cached.plan
+        planner = StagedPlanner(dev)
+        return planner, cache.plan(planner, "latency")
     dev.setup(rows=False)
     planner = StagedPlanner(dev)
     if args.algorithm != "auto":

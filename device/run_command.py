@@ -303,7 +303,7 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
     objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
     rest, choice, depth = feed, None, args.depth
     if cache.cached is not None:
-        plan = cache.cached.plan
+        plan = cache.plan(planner, objective)
     elif args.plan is not None:
         from deepco_device.plan_command import load_plan
 

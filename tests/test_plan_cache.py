@@ -231,3 +231,29 @@ def test_deepco_plan_calibrates_into_the_cache_that_run_starts_warm_from(capsys,
         out, _ = capsys.readouterr()
         assert "calibration (planned)" in out and "plan cache" not in out
     assert list(cache.iterdir()) == [written]
+
+
+def test_a_warm_start_with_a_server_down_leaves_it_out_as_setup_does(capsys, net, tmp_path):
+    """The server the cached plan runs on is down at a restart: the run starts warm all the same (no measuring,
+    no calibration), on the best plan without it planned on the cached measurements, exact, and writes
+    nothing back. The cached plan is made an offload (this net's calibration may well settle on local)."""
+    cache, saved = tmp_path / "cache", tmp_path / "offload.json"
+    with serving("box-1") as a, serving("box-2") as b:
+        cluster = cluster_of(tmp_path / "cluster.toml", a, b)
+        assert "plan cache: wrote" in run(capsys, cluster, net, "--plan-cache", str(cache))
+        assert main(["plan", "--cluster", str(cluster), "--model", str(net), "--input-size", "64x64",
+                     "--algorithm", "offload", "--save", str(saved)]) == 0
+        capsys.readouterr()
+        (written,) = cache.glob("plan-*.json")
+        offload = json.loads(saved.read_text())["plan"]
+        written.write_text(json.dumps(json.loads(written.read_text()) | {"plan": offload}))
+        stopped = a if offload["servers"] == [a.address] else b  # an address-only server is named by its address
+        stopped.stop(grace=0)
+        out = run(capsys, cluster, net, "--plan-cache", str(cache), "--save-outputs", str(tmp_path / "o.npz"),
+                  frames=4)
+    down = stopped.address
+    assert f"down at start: {down}" in out and f"plan cache: warm start from {written}" in out, out
+    assert f"plan cache: the cached plan runs on {down}, down at start: starting on" in out, out
+    assert "calibration (" not in out and "plan cache: wrote" not in out, out
+    assert json.loads(written.read_text())["plan"] == offload  # not written over
+    exact(net, tmp_path / "o.npz", 4)
