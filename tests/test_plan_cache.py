@@ -129,6 +129,7 @@ def test_a_server_with_another_id_is_a_cache_miss_and_a_restart_with_its_id_is_n
         with serving(server_id, port):
             out = run(capsys, cluster, net, "--plan-cache", str(cache), frames=SHORT)
         assert ("plan cache: warm start" in out) == warm and ("calibration (" in out) != warm, (server_id, out)
+        assert ("reports id 'box-2', not 'box-1' as when it was written; calibrating afresh" in out) != warm, out
     # without --server-id a server's id stays the same across restarts on the same host, port and runtime
     runtime = server.runtime
     assert default_server_id("127.0.0.1", port, runtime) == default_server_id("127.0.0.1", port, runtime)
