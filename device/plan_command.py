@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 from deepco_device.planner import StagedPlanner
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _staged(args: argparse.Namespace, dev: Device, log) -> tuple[StagedPlanner, StagedPlan]:
+def _staged(args: argparse.Namespace, dev: Device, log: Callable[[str], None]) -> tuple[StagedPlanner, StagedPlan]:
     """The staged planner on ``dev`` and its plan. auto's is calibrated on blank frames and kept in the plan
     cache (device.plan_cache), as `deepco run` keeps the plan it settles on; a plan found there under this
     device's key is printed as it is, without measuring (``--no-plan-cache``: neither read nor written)."""
