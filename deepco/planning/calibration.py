@@ -24,8 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from scipy.optimize import minimize_scalar
-
 from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps
 
 SCALE_BOUNDS = (0.25, 4.0)  # a model's FLOP rate within 4x of the profiled head's, either way
@@ -79,6 +77,8 @@ def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, 
         return 1.0, rates.step_overhead
     if not scale_fittable(timed):
         return 1.0, _error(timed, costs, rates, 1.0)[1]
+    from scipy.optimize import minimize_scalar  # here: a second of imports that a warm start does without
+
     best = minimize_scalar(lambda s: _error(timed, costs, rates, s)[0], bounds=SCALE_BOUNDS, method="bounded",
                            options={"xatol": 1e-3})
     scale = float(best.x)
