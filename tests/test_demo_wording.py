@@ -75,5 +75,6 @@ def test_the_demos_defaults_are_the_bench_demo_preset():
     assert (demo.servers, demo.antennas, demo.bandwidth, demo.camera_cpu, demo.model, demo.input_size) == (
         preset["servers"], preset["antennas"], preset["bandwidth"], preset["device_share"], preset["model"],
         preset["input_size"])
-    # the demo's unlimited servers (0) are a whole core each on the testbed
-    assert preset["shares"] == ",".join([f"{demo.server_cpu or 1:g}"] * demo.servers)
+    # the demo's edge boxes are the testbed's CPU shares (both in cores), and fit this 2-core machine with the camera
+    assert demo.server_cpu > 0 and preset["shares"] == ",".join([f"{demo.server_cpu:g}"] * demo.servers)
+    assert demo.servers * demo.server_cpu + demo.camera_cpu <= 2 + 1e-9
