@@ -232,11 +232,14 @@ def worker(spec_path: str) -> int:
             Path(spec["cgroup"]).write_text(str(os.getpid()))
         log("measuring the camera, each server and each link ...")
         dev.setup(rows=False)  # the staged planner plans for itself
-        log("planning, then timing the best plans on frames of the clip (calibration) ...")
+        log("planning: a search over every candidate plan on the camera's own CPU (the longest step), then "
+            "timing the best plans on frames of the clip (calibration) ...")
         planner = StagedPlanner(dev)
         plans = {"local": planner.named("local"), "offload": planner.named("offload"),
                  "auto": planner.calibrate("latency")}
-        split = next((p for p in planner.plans() if p.kind == "split"), None)
+        # the best split is drawn only where auto is none: a search on the camera's quota costs seconds
+        split = plans["auto"] if plans["auto"].kind == "split" else next(
+            (p for p in planner.plans() if p.kind == "split"), None)
         results: dict = {"plans": {}, "best_split": split.to_dict() if split else None,
                          "rates": dev.measured.to_dict(), "servers": planner.servers()}
         outputs = {}
