@@ -206,7 +206,7 @@ def setting(args: argparse.Namespace, camera: bool, boxes: bool) -> str:
 def title_setting(args: argparse.Namespace, camera: bool, boxes: bool) -> str:
     """What the picture's title says was emulated on the CPUs: exactly what ran."""
     if not camera:
-        return "camera at full speed (no cgroup)"
+        return "camera and servers at full speed (no cgroup)"
     servers = f"servers {args.server_cpu:g} core each" if boxes else f"servers share {os.cpu_count()} cores"
     return f"camera {args.camera_cpu:g} core, {servers} (cgroup CPU quotas, EMULATED)"
 
