@@ -30,13 +30,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deepco_device.backpressure import while_busy
-from deepco_device.plan_command import plan_document
 from deepco_device.records import Measurements
 
 from deepco.planning.staged import DEVICE, StagedPlan
 from deepco.wire.security import ChannelSecurity, read_pem
 
 FORMAT = 1  # the cache file's format: a file of another one is not read (one warning line), and is replaced
+
+
+def plan_document(model: str, height: int, width: int, plan: StagedPlan) -> dict:
+    """A saved plan's JSON: ``plan`` with the model and input size it was made for (`deepco plan --save` writes it,
+    device.plan_command.load_plan reads it; the plan cache writes these fields too)."""
+    return {"model": model, "input_size": [height, width], "plan": plan.to_dict()}
 
 
 @dataclass(frozen=True)

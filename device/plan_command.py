@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
+from deepco_device.plan_cache import plan_document
 from deepco_device.planner import StagedPlanner
 from deepco_device.progress import Progress
 from deepco_device.session import ALGORITHMS, Device
@@ -87,12 +88,6 @@ def _staged(args: argparse.Namespace, dev: Device, log: Callable[[str], None]) -
     plan = planner.calibrate()
     cache.store(dev, plan)
     return planner, plan
-
-
-def plan_document(model: str, height: int, width: int, plan: StagedPlan) -> dict:
-    """A saved plan's JSON: ``plan`` with the model and input size it was made for (`load_plan` reads it; the
-    plan cache, device.plan_cache, writes these fields too)."""
-    return {"model": model, "input_size": [height, width], "plan": plan.to_dict()}
 
 
 def save_plan(path: str, model: str, height: int, width: int, plan: StagedPlan) -> None:
