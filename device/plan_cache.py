@@ -51,6 +51,9 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+OUTPUT_SIDE = ("origin", "output", "score_threshold", "iou_threshold", "class_names")
+
+
 def cache_key(device, objective: str) -> dict:
     """The key of ``device``'s plan (see the module doc), as JSON values. Waits for every server to be ready
     (a server that is not is the one-line error setup gives) and asks each for its id."""
@@ -64,7 +67,8 @@ def cache_key(device, objective: str) -> dict:
                         "id": while_busy(client.server_metadata).get("deepco_server_id", "")})
     tls = {label: _digest(read_pem(pem, label)) for label, pem in (("ca", security.ca), ("cert", security.cert))
            if pem is not None}
-    how = {k: v for k, v in asdict(device.preprocessing).items() if k not in ("origin", "output")}
+    # what the outputs mean changes no plan: only the input side of the preprocessing is in the key
+    how = {k: v for k, v in asdict(device.preprocessing).items() if k not in OUTPUT_SIDE}
     key = {"format": FORMAT, "servers": servers, "tls": tls, "model_sha256": _digest(device.model.SerializeToString()),
            "input_size": [device.height, device.width], "preprocessing": how, "objective": objective,
            "antennas": [a.bandwidth for a in cluster.device.antennas], "paced": device.pace}
