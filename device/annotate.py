@@ -52,10 +52,10 @@ class Annotated:
     def __init__(self, path: str, height: int, width: int, fps: float, rgb: bool):
         p = Path(path)
         codec = CODECS.get(p.suffix.lower())
-        if codec is None:
-            raise UserError(f"--annotate {path!r}: the video must end in {', '.join(CODECS)}")
         if p.is_dir():
             raise UserError(f"--annotate {path!r} is a directory, not a file")
+        if codec is None:
+            raise UserError(f"--annotate {path!r}: the video must end in {', '.join(CODECS)}")
         if not p.parent.is_dir():
             raise UserError(f"--annotate {path!r}: directory {str(p.parent)!r} does not exist")
         if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
