@@ -18,14 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import plan_support
 import pytest
 from deepco_device.answers import relative_error
-from deepco_device.plan_command import save_plan
-from deepco_device.session import Device
-from deepco_device.staged import StagedPlanner
 
 from deepco.cli import main
-from deepco.cluster import parse_cluster
 from deepco.planning.staged import split_plan
 
 H, W = 96, 128  # the detector runs at multiples of 32
@@ -70,21 +67,15 @@ def cluster(two_servers, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plans(two_servers, detector, tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("plans")
-    data = {"servers": [{"name": f"s{i}", "address": s.address} for i, s in enumerate(two_servers)]}
-    with Device(parse_cluster(data), detector, H, W, log=lambda _: None) as dev:
-        dev.setup(rows=False)
-        planner = StagedPlanner(dev)
-        costs, rates, both = planner.costs, planner.rates(), ["s0", "s1"]
+    def make(planner, both: list[str]) -> dict:
+        costs, rates = planner.costs, planner.rates()
         cuts = [c.name for c in costs.cuts]
         made = {"split": split_plan(costs, rates, both, [cuts[-1]], True, None),
                 "halo exchange": split_plan(costs, rates, both, [cuts[0], cuts[-1]], False, "s0")}
-    saved = {}
-    for what, plan in made.items():
-        assert plan is not None and len(plan.servers) == 2, what
-        saved[what] = folder / f"{what.replace(' ', '-')}.json"
-        save_plan(str(saved[what]), detector, H, W, plan)
-    return saved
+        assert all(p is not None and len(p.servers) == 2 for p in made.values()), made
+        return made
+
+    return plan_support.saved_plans(two_servers, detector, H, W, tmp_path_factory.mktemp("plans"), make)
 
 
 @pytest.mark.parametrize("what", ["split", "halo exchange"])
