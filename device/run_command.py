@@ -117,12 +117,13 @@ def run(args: argparse.Namespace) -> int:
     height, width = input_size(args.model, args.input_size)
     # what the outputs are, whatever --output does with them (--output raw still annotates the card's kind)
     kind = modelcard.from_args(args.model, argparse.Namespace(**{**vars(args), "output": None})).output
-    results = Results(args, Shown(how, kind, args.output_dir, height))
-    if args.annotate:
+    annotated = None
+    if args.annotate:  # an unwritable path fails here, before any server is contacted
         from deepco_device.annotate import Annotated, video_fps
 
-        results.annotated = Annotated(args.annotate, height, width, video_fps(args.source, args.source_fps),
-                                      how.rgb)
+        annotated = Annotated(args.annotate, height, width, video_fps(args.source, args.source_fps), how.rgb)
+    results = Results(args, Shown(how, kind, args.output_dir, height))
+    results.annotated = annotated
 
     def prepare(frame: np.ndarray) -> np.ndarray:
         px = pixels(frame, height, width, how)
