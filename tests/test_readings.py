@@ -186,3 +186,15 @@ def test_run_refuses_an_unwritable_annotation_in_one_line(where, cluster, tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("deepco run: error: --annotate") and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+def test_run_reads_the_zoo_unet_as_a_mask_and_raw_still_saves(cluster, tmp_path, capsys):
+    source, raw = clip(tmp_path / "in.avi", 2, 5.0), tmp_path / "raw"
+    args = ["run", "--cluster", str(cluster), "--model", "unet", "--input-size", "32x32", "--source", str(source),
+            "--algorithm", "local"]
+    assert main(args) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("frame ")]
+    assert len(lines) == 2 and all("mask 32x32: class " in line for line in lines), lines
+    assert main([*args, "--output", "raw", "--output-dir", str(raw), "--annotate", str(tmp_path / "u.avi")]) == 0
+    assert sorted(p.name for p in raw.iterdir()) == ["frame-000000.npy", "frame-000001.npy"]
+    assert len(read_back(tmp_path / "u.avi")[0]) == 2
