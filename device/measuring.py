@@ -1,8 +1,9 @@
 """Measuring what the planners need, at setup: the device's own speed on the whole model, every server's speed
 on a small compute probe (DeepcoService.Profile: kilobytes over the radio, not the model), each antenna's
-bandwidth and the per-request overhead (DeepcoService.Echo), the server-to-server link (two servers probe each
-other, DeepcoService.ProbePeer) and the device's own CPU time per byte it marshals. With pacing the
-antennas' configured bandwidths are what pacing enforces, so they are taken as given.
+bandwidth and the per-request overhead (DeepcoService.Echo: kilobytes on a slow radio, `next_link_probe`), the
+server-to-server link (two servers probe each other, DeepcoService.ProbePeer) and the device's own CPU time per
+byte it marshals. With pacing the antennas' configured bandwidths are what pacing enforces, so they are taken as
+given.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from onnx import helper, numpy_helper
 from deepco.partition import Cut, Partitioner
 from deepco.wire.client import ServerError
 
-PROBE_BYTES = 1 << 20
+PROBE_BYTES = 1 << 20  # the link probe's largest payload (a fast link: its transfer is long beside the jitter)
+LINK_PROBE_START = 32 << 10  # its first: on a slow radio (8 Mbit/s: 33 ms) it is the only one
+LINK_PROBE_SECONDS = 0.025  # a payload that takes this long to cross times the link well (jitter: ~1 ms)
 PEER_PROBE_BYTES = 4 << 20  # server to server: larger, the links may be a LAN
 
 
@@ -150,11 +153,24 @@ def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, server: in
     for m in range(len(antennas)):
         c = channels.client(server, m)
         small = median_seconds(lambda c=c: c.echo(1), runs=5)
-        big = median_seconds(lambda c=c: c.echo(PROBE_BYTES), runs=3)
-        transfer = big - small
-        bandwidths.append(PROBE_BYTES / max(transfer - marshal * PROBE_BYTES, 0.5 * transfer, 1e-6))
+        nbytes: int | None = LINK_PROBE_START
+        while nbytes is not None:
+            size, transfer = nbytes, median_seconds(lambda c=c, n=nbytes: c.echo(n), runs=3) - small
+            nbytes = next_link_probe(size, transfer)
+        bandwidths.append(size / max(transfer - marshal * size, 0.5 * transfer, 1e-6))
         overheads.append(small)
     return bandwidths, statistics.median(overheads)
+
+
+def next_link_probe(nbytes: int, transfer: float) -> int | None:
+    """The link probe's next payload after ``nbytes`` crossed in ``transfer`` seconds (beyond a 1-byte echo), or
+    None where that one timed the link well enough (it took ``LINK_PROBE_SECONDS``) or was the largest. A slow
+    radio is timed on kilobytes (a megabyte is seconds at 8 Mbit/s, and 3 of them were sent per antenna); a
+    fast link on a payload sized from the first one's rate to take twice ``LINK_PROBE_SECONDS``."""
+    if transfer >= LINK_PROBE_SECONDS or nbytes >= PROBE_BYTES:
+        return None
+    wanted = nbytes * 2 * LINK_PROBE_SECONDS / transfer if transfer > 0 else PROBE_BYTES
+    return int(min(PROBE_BYTES, max(wanted, 4 * nbytes)))
 
 
 def probe_peers(channels: Channels, log: Callable[[str], None], up: list[int] | None = None) -> tuple[float, float]:

@@ -97,7 +97,9 @@ class Measured:
         self.step_overhead = 0.0
         # servers down at the start, not measured: no plan counts on them until they answer and are measured
         self.unreached: dict[str, str] = {}  # name -> why (e.g. 'connection refused')
-        self.probe_ratio = 1.0  # a server's rate on the model per FLOP/s on the probe (device.measuring.measure)
+        # a server's rate on the model per FLOP/s on the probe (device.measuring.measure); None: not known (an old
+        # plan cache's measurements: a server measured later keeps its cached rate)
+        self.probe_ratio: float | None = 1.0
 
     def rates(self, exclude: Iterable[str] = ()) -> Rates:
         """The measured rates with the fitted compute scale and step overhead, without the servers in

@@ -11,7 +11,9 @@ The key (`cache_key`) is everything the plan was measured on: each server's name
 reports (ServerMetadata's ``deepco_server_id``: a server on other hardware, or with other threads, reports
 another), the digests of the TLS certificates (under mutual TLS the servers know this device by its
 certificate), the model's bytes (the preprocessing is in its graph), the input size, the preprocessing, the
-antennas, pacing, the objective and the file format's version (`FORMAT`). The file holds a plan as `deepco
+antennas, pacing, the objective and the file format's version (`FORMAT`). The file is named by the key without
+the ids (a server down at a start cannot give its id: its plan is still the one to start from, the server left
+out as setup leaves it out); a server whose id changed makes it a miss. The file holds a plan as `deepco
 plan --save` writes it, so `deepco run --plan FILE` runs it too, with the key, the measurements and the fit
 beside it. A file that cannot be read, or that another format wrote, is one warning line: the run goes on cold.
 """
@@ -23,7 +25,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from deepco_device.plan_command import plan_document
 from deepco_device.records import Measurements
 
 from deepco.planning.staged import DEVICE, StagedPlan
-from deepco.wire.security import read_pem
+from deepco.wire.security import ChannelSecurity, read_pem
 
 FORMAT = 1  # the cache file's format: a file of another one is not read (one warning line), and is replaced
 
@@ -45,6 +47,7 @@ class Cached:
     measured: Measurements
     compute_scale: float
     step_overhead: float
+    probe_ratio: float | None = None  # setup's model/probe speed ratio, for servers measured later; None: unknown
 
 
 def _digest(data: bytes) -> str:
@@ -54,17 +57,17 @@ def _digest(data: bytes) -> str:
 OUTPUT_SIDE = ("origin", "output", "score_threshold", "iou_threshold", "class_names")
 
 
-def cache_key(device, objective: str) -> dict:
-    """The key of ``device``'s plan (see the module doc), as JSON values. Waits for every server to be ready
-    (a server that is not is the one-line error setup gives) and asks each for its id."""
-    cluster, security = device.cluster, device.security
+def cache_key(device, objective: str, down: Collection[str] = ()) -> dict:
+    """The key of ``device``'s plan (see the module doc), as JSON values. Asks every server but those ``down``
+    for its id (theirs is None: a server that is down cannot say)."""
+    cluster, security = device.cluster, device.security or ChannelSecurity()  # None: plain text, no token
     antennas = range(len(cluster.device.antennas))
     servers = []
     for k, server in enumerate(cluster.servers):
         client = device.client(k, 0)
-        client.wait_ready(timeout=10.0)
+        known = server.name not in down
         servers.append({"name": server.name, "addresses": [cluster.address_on(server, m) for m in antennas],
-                        "id": while_busy(client.server_metadata).get("deepco_server_id", "")})
+                        "id": while_busy(client.server_metadata).get("deepco_server_id", "") if known else None})
     tls = {label: _digest(read_pem(pem, label)) for label, pem in (("ca", security.ca), ("cert", security.cert))
            if pem is not None}
     # what the outputs mean changes no plan: only the input side of the preprocessing is in the key
@@ -83,6 +86,20 @@ def _measurements(data: dict) -> Measurements:
                         [float(b) for b in data["antenna_bytes_per_second"]], paced=bool(data["paced"]), **numbers)
 
 
+def _where(key: dict) -> dict:
+    """``key`` without the servers' ids: what names the file. A server down at a start cannot give its id, and
+    the plan cached for its address is still the one to start from."""
+    return key | {"servers": [{k: v for k, v in s.items() if k != "id"} for s in key["servers"]]}
+
+
+def _other_ids(stored: dict, key: dict) -> list[str]:
+    """The servers of ``key`` whose id is not the one ``stored`` (a cached file's key) holds; those down now
+    (id None) are taken on trust: measured again when they answer (`Device.measure_server`)."""
+    return [f"{now['name']} reports id {now['id']!r}, not {then.get('id')!r}"
+            for now, then in zip(key["servers"], stored["servers"], strict=True)
+            if now["id"] is not None and now["id"] != then.get("id")]
+
+
 class PlanCache:
     """The plan cache in ``directory`` (see the module doc); problems go to ``log`` as one warning line each."""
 
@@ -91,7 +108,7 @@ class PlanCache:
 
     def path(self, key: dict) -> Path:
         """The file of ``key``."""
-        return self.directory / f"plan-{_digest(json.dumps(key, sort_keys=True).encode())[:32]}.json"
+        return self.directory / f"plan-{_digest(json.dumps(_where(key), sort_keys=True).encode())[:32]}.json"
 
     def load(self, key: dict) -> Cached | None:
         """The plan cached under ``key``, or None: none is, or the file cannot be used (one warning line)."""
@@ -106,10 +123,15 @@ class PlanCache:
                 self.log(f"warning: plan cache {path}: written in format {data.get('format')!r}, this version reads "
                          f"{FORMAT}; calibrating afresh")
                 return None
-            if data.get("key") != key:
+            if not isinstance(data.get("key"), dict) or _where(data["key"]) != _where(key):
                 raise ValueError("its key is not the key it is filed under")
+            if changed := _other_ids(data["key"], key):
+                self.log(f"plan cache {path}: {'; '.join(changed)} as when it was written; calibrating afresh")
+                return None
+            ratio = data.get("probe_ratio")
             cached = Cached(StagedPlan.from_dict(data["plan"]), _measurements(data["measured"]),
-                            float(data["compute_scale"]), float(data["step_overhead"]))
+                            float(data["compute_scale"]), float(data["step_overhead"]),
+                            None if ratio is None else float(ratio))
             names = {s["name"] for s in key["servers"]}
             measured = set(cached.measured.server_flops_per_second)
             if not set(cached.plan.servers) <= names | {DEVICE} or measured != names:
@@ -127,7 +149,7 @@ class PlanCache:
         height, width = key["input_size"]
         data = {"format": FORMAT, "key": key, **plan_document(model, height, width, cached.plan),
                 "measured": cached.measured.to_dict(), "compute_scale": cached.compute_scale,
-                "step_overhead": cached.step_overhead}
+                "step_overhead": cached.step_overhead, "probe_ratio": cached.probe_ratio}
         temporary = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -142,3 +164,70 @@ class PlanCache:
             self.log(f"warning: plan cache {self.directory}: cannot write ({exc}); the next start calibrates again")
             return None
         return path
+
+
+def directory(given: str | None) -> Path:
+    """The plan cache's folder: ``given`` (``--plan-cache DIR``), else the XDG cache folder's ``deepco``, where
+    zoo exports are kept too."""
+    from deepco.model_cache import cache_home
+
+    return Path(given) if given else cache_home()
+
+
+class CacheUse:
+    """The plan cache as one command uses it: ``cached`` is the plan of a warm start (the device's measurements
+    and fit are restored from it), None on a cold one or where the cache is off (``folder`` None: `deepco run
+    --no-plan-cache`, or a plan that calibrates nothing). Servers down at the start (``down``) are left out as
+    setup leaves them out, and join when they answer; their ids are taken on trust, and nothing is written
+    from such a start (its plan was not measured with them). ``say``: where the cache's lines go (stdout, or
+    stderr beside a JSON output)."""
+
+    def __init__(self, device, folder: Path | None, model: str, objective: str, say: Callable[[str], None]):
+        self.cache: PlanCache | None = None
+        self.key: dict | None = None
+        self.cached: Cached | None = None
+        self.down: dict[str, str] = {}
+        self.model, self.say = model, say
+        if folder is None:
+            return
+        device.load()
+        self.down = dict(device.reach())
+        self.cache = PlanCache(folder, say)
+        self.key = cache_key(device, objective, self.down)
+        self.cached = self.cache.load(self.key)
+        if self.cached is not None:
+            c = self.cached
+            device.restore(c.measured, c.compute_scale, c.step_overhead, c.probe_ratio)
+            say(f"plan cache: warm start from {self.cache.path(self.key)}: no measuring, no calibration")
+
+    def plan(self, planner, objective: str) -> StagedPlan:
+        """The cached plan to start on; where it runs on servers down at the start, what failover would run
+        instead: the planner's best (``planner``: a device/planner.StagedPlanner) without them, on the cached
+        measurements and fit (one line)."""
+        assert self.cached is not None, "a warm start only"
+        gone = sorted(set(self.cached.plan.servers) & set(self.down))
+        if not gone:
+            return self.cached.plan
+        plan = planner.best(objective)
+        self.say(f"plan cache: the cached plan runs on {', '.join(gone)}, down at start: starting on "
+                 f"{plan.brief()} (planned on the cached measurements)")
+        return plan
+
+    def store(self, device, plan: StagedPlan, unsettled: str | None = None) -> None:
+        """Keep ``plan``, which calibration settled on, for the next start; nothing where calibration did not
+        run to its end (``unsettled`` says why: the plan was not measured against the others), or where
+        servers were down at the start."""
+        if self.cache is None:
+            return
+        if self.down:
+            self.say(f"plan cache: nothing written: {', '.join(self.down)} down at start (the plan was not measured "
+                     "with them)")
+            return
+        if unsettled is not None:
+            self.say(f"plan cache: nothing written: {unsettled} before calibration settled")
+            return
+        m = device.measurements
+        cached = Cached(plan, m.measurements, m.compute_scale, m.step_overhead, m.probe_ratio)
+        path = self.cache.store(self.key, self.model, cached)
+        if path is not None:
+            self.say(f"plan cache: wrote {path}")

@@ -2,7 +2,8 @@
 
 It is the setup of `deepco run` (device.session.Device.setup) without a source: the model is analysed, the
 device, every server and every antenna are measured, every candidate cut is planned, and the chosen plan is
-printed. Setup uploads nothing but a small compute probe, which it unloads again.
+printed. Setup uploads nothing but a small compute probe, which it unloads again. auto's plan goes to the plan
+cache (device.plan_cache), where `deepco run` starts warm from it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 from deepco_device.planner import StagedPlanner
@@ -44,9 +46,7 @@ def run(args: argparse.Namespace) -> int:
                 weights=args.weights, log=log, security=security.from_args(args), preprocessing=how) as dev, progress:
         dev.progress = progress.step
         if staged:
-            dev.setup(rows=False)
-            planner = StagedPlanner(dev)
-            plan = planner.calibrate() if args.algorithm == "auto" else planner.named(args.algorithm)
+            planner, plan = _staged(args, dev, log)
         else:
             plan = dev.setup()
         progress.close()  # planned: the results print below, without the bar
@@ -67,6 +67,26 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(dev.describe_plan())
     return 0
+
+
+def _staged(args: argparse.Namespace, dev: Device, log: Callable[[str], None]) -> tuple[StagedPlanner, StagedPlan]:
+    """The staged planner on ``dev`` and its plan. auto's is calibrated on blank frames and kept in the plan
+    cache (device.plan_cache), as `deepco run` keeps the plan it settles on; a plan found there under this
+    device's key is printed as it is, without measuring (``--no-plan-cache``: neither read nor written)."""
+    from deepco_device.plan_cache import CacheUse, directory
+
+    on = args.algorithm == "auto" and not args.no_plan_cache
+    cache = CacheUse(dev, directory(args.plan_cache) if on else None, args.model, "latency", log)
+    if cache.cached is not None:
+        planner = StagedPlanner(dev)
+        return planner, cache.plan(planner, "latency")
+    dev.setup(rows=False)
+    planner = StagedPlanner(dev)
+    if args.algorithm != "auto":
+        return planner, planner.named(args.algorithm)
+    plan = planner.calibrate()
+    cache.store(dev, plan)
+    return planner, plan
 
 
 def plan_document(model: str, height: int, width: int, plan: StagedPlan) -> dict:

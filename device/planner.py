@@ -64,6 +64,7 @@ class StagedPlanner:
         self.trials: list[dict] = []  # what calibrate() timed
         self.room: dict[str, int] | None = None  # free model slots per server (`free_slots`); None: not counted
         self.unfit_plans = 0  # candidates the last `plans` left out for want of model slots
+        self._unfit_told = False  # calibration said how many candidates the free slots leave out
 
     # calibration's fit lives with the device's measurements: every planner and the paper's plans share it
     compute_scale = property(lambda self: self.device.measurements.compute_scale,
@@ -136,11 +137,7 @@ class StagedPlanner:
         Only plans that fit the servers' free model slots are planned (`room`), a plan a server still refuses
         for want of room is skipped with a one-line note, and the models of every plan that cannot be chosen
         any more are unloaded at once: calibration never holds more than the finalists' models."""
-        self.room = self.free_slots()
-        every = len(self.plans(objective)) + self.unfit_plans
-        if self.unfit_plans:
-            self.device.log(f"calibration: {self.unfit_plans} of {every} candidate plans need more model slots than "
-                            f"the servers have free ({', '.join(f'{k} {v}' for k, v in self.room.items())}): skipped")
+        self.room, self._unfit_told = self.free_slots(), False
         dev = self.device
         runs = _PlanRuns(dev, live or _BlankFrames(self._blank()))
         try:
@@ -167,7 +164,13 @@ class StagedPlanner:
         """Calibration's candidates: every ranked plan that fits (``all``), or the best of ``shapes`` that fits
         as a list of at most one."""
         if shapes == "all":
-            return self.plans(objective, rates=rates)
+            fitting = self.plans(objective, rates=rates)
+            if self.unfit_plans and not self._unfit_told:  # once: the first ranking is the one before any frame
+                self._unfit_told = True
+                self.device.log(f"calibration: {self.unfit_plans} of {len(fitting) + self.unfit_plans} candidate "
+                                "plans need more model slots than the servers have free "
+                                f"({', '.join(f'{k} {v}' for k, v in self.room.items())}): skipped")
+            return fitting
         try:
             return self.plans(objective, shapes=shapes, rates=rates)[:1]
         except UserError:

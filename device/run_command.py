@@ -21,6 +21,8 @@ from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
 
 if TYPE_CHECKING:  # scipy, through calibration: not on the CLI's start
+    from deepco_device.plan_cache import CacheUse
+
     from deepco.planning.lean_depth import LeanDepth
     from deepco.planning.slo import SloChoice, SloWatch
 
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                     security=security.from_args(args), preprocessing=how) as dev:
             dev.progress = results.progress.step
             results.report.events = dev.events  # logged with the frames (--json-log)
-            cache = _PlanCacheUse(args, dev) if staged else None
+            cache = _cache_use(args, dev) if staged else None
             if cache is None or cache.cached is None:
                 dev.setup(rows=not staged)
             print(f"preprocessing: {how.describe()}", flush=True)
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     return results.finish(how.channels, height, width)
 
 
-def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed, results: Results,
+def _run_frames(args: argparse.Namespace, dev, cache: CacheUse | None, feed, results: Results,
                 give_up: GiveUp) -> None:
     """Plan (auto: calibrating on the feed's first frames, whose results come out as they go), then run the
     rest of the feed through the plan, frames in flight as it says."""
@@ -292,51 +294,23 @@ class Chosen:
         return LeanDepth(least, depth) if lean else None
 
 
-class _PlanCacheUse:
-    """The plan cache for this run (device.plan_cache): ``cached`` is its plan on a warm start (the device's
-    measurements and fit are restored from it), None on a cold one or where the cache is off (``cache``
-    None: ``--no-plan-cache``, or the run is not auto's, which calibrates nothing)."""
+def _cache_use(args: argparse.Namespace, dev) -> CacheUse:
+    """The plan cache for this run (device.plan_cache.CacheUse): off with --no-plan-cache, and for a run that
+    calibrates nothing (a saved plan, a named algorithm)."""
+    from deepco_device.plan_cache import CacheUse, directory
 
-    def __init__(self, args: argparse.Namespace, dev):
-        from deepco_device.plan_cache import PlanCache, cache_key
-
-        from deepco.model_cache import cache_home  # the XDG cache folder: zoo exports are kept there too
-
-        self.cache = self.key = self.cached = None
-        self.model = args.model
-        if args.no_plan_cache or args.plan is not None or args.algorithm != "auto":
-            return
-        dev.load()
-        if dev.reach():  # the key names every server's id, which a server that is down cannot give
-            print(f"plan cache: not used: {', '.join(dev.reach())} down at start", flush=True)
-            return
-        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
-        self.key = cache_key(dev, args.objective)
-        self.cached = self.cache.load(self.key)
-        if self.cached is not None:
-            c = self.cached
-            dev.restore(c.measured, c.compute_scale, c.step_overhead)
-            print(f"plan cache: warm start from {self.cache.path(self.key)}: no measuring, no calibration",
-                  flush=True)
-
-    def store(self, dev, plan: StagedPlan, live) -> None:
-        """Keep ``plan``, which calibration settled on over ``live`` frames, for the next start (nothing where
-        calibration did not run to its end: the plan was not measured against the others)."""
-        from deepco_device.plan_cache import Cached
-
-        if self.cache is None:
-            return
-        if not live.settled:
-            why = "the source ended" if live.ended else f"a server failed ({live.stopped})"
-            print(f"plan cache: nothing written: {why} before calibration settled", flush=True)
-            return
-        m = dev.measurements
-        path = self.cache.store(self.key, self.model, Cached(plan, m.measurements, m.compute_scale, m.step_overhead))
-        if path is not None:
-            print(f"plan cache: wrote {path}", flush=True)
+    on = not args.no_plan_cache and args.plan is None and args.algorithm == "auto"
+    return CacheUse(dev, directory(args.plan_cache) if on else None, args.model, args.objective, dev.log)
 
 
-def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
+def _unsettled(live) -> str | None:
+    """Why calibration over ``live`` frames did not settle (device.planner.LiveFrames), or None if it did."""
+    if live.settled:
+        return None
+    return "the source ended" if live.ended else f"a server failed ({live.stopped})"
+
+
+def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
           emit: Callable) -> tuple[Chosen, object | None]:
     """What to run (printed) and the frames left for it: the feed, or None where calibration took them all."""
     from deepco_device.adaptation import Adaptation
@@ -352,7 +326,7 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
     objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
     rest, choice, depth = feed, None, args.depth
     if cache.cached is not None:
-        plan = cache.cached.plan
+        plan = cache.plan(planner, objective)
     elif args.plan is not None:
         from deepco_device.plan_command import load_plan
 
@@ -364,7 +338,7 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
     elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
         live = LiveFrames(feed, emit)
         plan = planner.calibrate(objective, live=live)
-        cache.store(dev, plan, live)
+        cache.store(dev, plan, _unsettled(live))
         rest = None if live.ended else live.rest()
     else:
         plan = planner.named(args.algorithm)

@@ -120,17 +120,12 @@ class Device:
             self.progress("loading the model")
             self.load()
         p = self.partitioner
-        cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
-        if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
-            cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
         self.progress("waiting for the servers")
         down = self.reach()
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = device_session(self.model.SerializeToString())
-        reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
-        self._probe_cut = reference
         self.measurements.measurements, self.measurements.probe_ratio = measure(
-            self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag, log=self.log, skip=down,
+            self.pool, p, whole, x, self._probe_reference(), pace=self.pace, tag=self.tag, log=self.log, skip=down,
             step=self.progress)
         if not rows:
             return None
@@ -139,6 +134,17 @@ class Device:
         if self.cut_spec == "auto":
             self.log(f"cut: {self.cut.name} (least predicted frame time)")
         return self.plan
+
+    def _probe_reference(self) -> Cut:
+        """The cut whose head's work sizes the servers' compute probe: of the candidate cuts, the one of most
+        work (the steadiest FLOP/s measurement)."""
+        if self._probe_cut is None:
+            p = self.partitioner
+            cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
+            if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32, not pixels
+                cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
+            self._probe_cut = max(cuts, key=lambda c: c.head_flops)
+        return self._probe_cut
 
     def reach(self) -> dict[str, str]:
         """The servers down at the start (name -> why), asked once (device.channels: all at once, so one that
@@ -168,18 +174,22 @@ class Device:
         others), so that plans can count on it."""
         if name not in self.measurements.unreached or self.measured is None:
             return
-        others = {s.name for s in self.cluster.servers} - {name}
-        rate = server_rates(self.pool, self._probe_cut, self.tag, skip=others)[name]
-        self.measured.server_flops_per_second[name] = rate * self.measurements.probe_ratio
+        if self.measurements.probe_ratio is not None:  # None: a cache that did not keep it; its rate stands
+            others = {s.name for s in self.cluster.servers} - {name}
+            rate = server_rates(self.pool, self._probe_reference(), self.tag, skip=others)[name]
+            self.measured.server_flops_per_second[name] = rate * self.measurements.probe_ratio
         del self.measurements.unreached[name]
 
-    def restore(self, measured: Measurements, compute_scale: float, step_overhead: float) -> None:
+    def restore(self, measured: Measurements, compute_scale: float, step_overhead: float,
+                probe_ratio: float | None = None) -> None:
         """Take what an earlier setup measured and its calibration fitted (the plan cache, device.plan_cache)
-        instead of measuring: a warm start sends nothing but its frames."""
+        instead of measuring: a warm start sends nothing but its frames. ``probe_ratio``: that setup's (a server
+        down at this start is measured with it when it answers; None: its cached rate is kept)."""
         if self.partitioner is None:
             self.load()
         self.measurements.measurements = measured
         self.measurements.compute_scale, self.measurements.step_overhead = compute_scale, step_overhead
+        self.measurements.probe_ratio = probe_ratio
 
     def paper_plan(self, algorithm: str, exclude: Iterable[str] = (), cut: str | None = None,
                    rates: Rates | None = None) -> StagedPlan:

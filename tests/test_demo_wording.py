@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from deepco_bench.bench_command import PRESETS
-from deepco_bench.demo import add_arguments, shown_plan, speed_ratio, verdict
+from deepco_bench.demo import add_arguments, setting, shown_plan, speed_ratio, title_setting, verdict
 from test_server_support import ROOT, child_env
 
 
@@ -75,5 +75,22 @@ def test_the_demos_defaults_are_the_bench_demo_preset():
     assert (demo.servers, demo.antennas, demo.bandwidth, demo.camera_cpu, demo.model, demo.input_size) == (
         preset["servers"], preset["antennas"], preset["bandwidth"], preset["device_share"], preset["model"],
         preset["input_size"])
-    # the demo's unlimited servers (0) are a whole core each on the testbed
-    assert preset["shares"] == ",".join([f"{demo.server_cpu or 1:g}"] * demo.servers)
+    # the demo's edge boxes are the testbed's CPU shares (both in cores), and fit this 2-core machine with the camera
+    assert demo.server_cpu > 0 and preset["shares"] == ",".join([f"{demo.server_cpu:g}"] * demo.servers)
+    assert demo.servers * demo.server_cpu + demo.camera_cpu <= 2 + 1e-9
+
+
+def test_the_title_and_the_servers_line_name_the_cpu_quotas_that_ran():
+    """The picture once titled only the camera's quota; the servers' quotas, or their absence, are named too."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    assert title_setting(args, camera=True, boxes=True) == ("camera 0.2 core, servers 0.6 core each (cgroup CPU "
+                                                            "quotas, EMULATED)")
+    assert "servers share" in title_setting(args, camera=True, boxes=False)
+    assert title_setting(args, camera=False, boxes=False) == "camera and servers at full speed (no cgroup)"
+    assert setting(args, camera=True, boxes=True).startswith("each server is an edge box under a cgroup CPU quota "
+                                                              "of 0.6 core (EMULATED)")
+    assert setting(args, camera=False, boxes=False).endswith("(their CPU quota needs root and a cpu cgroup, as the "
+                                                              "camera's)")
+    assert setting(p.parse_args(["--server-cpu", "0"]), camera=True, boxes=False).endswith("cores")

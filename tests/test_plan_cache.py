@@ -129,6 +129,7 @@ def test_a_server_with_another_id_is_a_cache_miss_and_a_restart_with_its_id_is_n
         with serving(server_id, port):
             out = run(capsys, cluster, net, "--plan-cache", str(cache), frames=SHORT)
         assert ("plan cache: warm start" in out) == warm and ("calibration (" in out) != warm, (server_id, out)
+        assert ("reports id 'box-2', not 'box-1' as when it was written; calibrating afresh" in out) != warm, out
     # without --server-id a server's id stays the same across restarts on the same host, port and runtime
     runtime = server.runtime
     assert default_server_id("127.0.0.1", port, runtime) == default_server_id("127.0.0.1", port, runtime)
@@ -175,3 +176,85 @@ def test_servers_that_stop_during_live_calibration_lose_no_frame(net, tmp_path):
     for r, px in zip(results, frames, strict=True):
         want = session.run(None, {"input": normalise(px, IMAGENET)})[0]
         assert np.abs(r.output - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_the_key_changes_with_the_model_the_size_the_preprocessing_and_the_servers(net, tmp_path):
+    """Each part of the key moves the file (a miss: calibrated afresh); the same device gets the same file."""
+    from deepco_device.plan_cache import PlanCache, cache_key
+    from deepco_device.session import Device
+
+    from deepco.cluster import load_cluster
+    from deepco.modelcard import Preprocessing
+
+    other = tmp_path / "other.onnx"  # the same layers, other weights: another model
+    other.write_bytes(conv_model(channels=(3, 16, 16, 16, 16, 8), strides=(2, 1, 2, 1), seed=1))
+    files = PlanCache(tmp_path / "cache", lambda line: None)
+    with serving("box-1") as a, serving("box-2") as b:
+
+        def file(*servers: Server, model: Path = net, size: int = 64, objective: str = "latency", **kw) -> Path:
+            cluster = load_cluster(cluster_of(tmp_path / "cluster.toml", *(servers or (a,))))
+            with Device(cluster, str(model), size, size, log=lambda line: None, **kw) as dev:
+                dev.load()
+                return files.path(cache_key(dev, objective))
+
+        base = file()
+        assert file() == base
+        others = {"model": file(model=other), "input size": file(size=96), "another server": file(b),
+                  "a server more": file(a, b), "the servers' order": file(b, a),
+                  "objective": file(objective="throughput"),
+                  "preprocessing": file(preprocessing=Preprocessing(mean=(0.5, 0.5, 0.5)))}
+    assert base not in others.values() and len(set(others.values())) == len(others), others
+
+
+def test_deepco_plan_calibrates_into_the_cache_that_run_starts_warm_from(capsys, net, tmp_path):
+    """`deepco plan --algorithm auto` keeps its calibrated plan where `deepco run` looks (and reads it back);
+    with --json its stdout stays one JSON object, the cache's lines going to stderr."""
+    cache = tmp_path / "cache"
+    with serving("box-1") as a, serving("box-2") as b:
+        cluster = cluster_of(tmp_path / "cluster.toml", a, b)
+        plan = ["plan", "--cluster", str(cluster), "--model", str(net), "--input-size", "64x64", "--algorithm", "auto"]
+        assert main([*plan, "--plan-cache", str(cache), "--json"]) == 0
+        out, err = capsys.readouterr()
+        cold = json.loads(out)["staged"]
+        (written,) = cache.glob("plan-*.json")
+        assert f"plan cache: wrote {written}" in err and "calibration (planned)" in err
+        assert json.loads(written.read_text())["plan"] == cold  # the plan printed is the plan kept
+
+        assert main([*plan, "--plan-cache", str(cache), "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["staged"] == cold and f"plan cache: warm start from {written}" in err
+        assert "calibration (" not in err
+
+        warm = run(capsys, cluster, net, "--plan-cache", str(cache), frames=4)
+        assert f"plan cache: warm start from {written}" in warm and "calibration (" not in warm
+
+        assert main([*plan, "--no-plan-cache"]) == 0
+        out, _ = capsys.readouterr()
+        assert "calibration (planned)" in out and "plan cache" not in out
+    assert list(cache.iterdir()) == [written]
+
+
+def test_a_warm_start_with_a_server_down_leaves_it_out_as_setup_does(capsys, net, tmp_path):
+    """The server the cached plan runs on is down at a restart: the run starts warm all the same (no measuring,
+    no calibration), on the best plan without it planned on the cached measurements, exact, and writes
+    nothing back. The cached plan is made an offload (this net's calibration may well settle on local)."""
+    cache, saved = tmp_path / "cache", tmp_path / "offload.json"
+    with serving("box-1") as a, serving("box-2") as b:
+        cluster = cluster_of(tmp_path / "cluster.toml", a, b)
+        assert "plan cache: wrote" in run(capsys, cluster, net, "--plan-cache", str(cache))
+        assert main(["plan", "--cluster", str(cluster), "--model", str(net), "--input-size", "64x64",
+                     "--algorithm", "offload", "--save", str(saved)]) == 0
+        capsys.readouterr()
+        (written,) = cache.glob("plan-*.json")
+        offload = json.loads(saved.read_text())["plan"]
+        written.write_text(json.dumps(json.loads(written.read_text()) | {"plan": offload}))
+        stopped = a if offload["servers"] == [a.address] else b  # an address-only server is named by its address
+        stopped.stop(grace=0)
+        out = run(capsys, cluster, net, "--plan-cache", str(cache), "--save-outputs", str(tmp_path / "o.npz"),
+                  frames=4)
+    down = stopped.address
+    assert f"down at start: {down}" in out and f"plan cache: warm start from {written}" in out, out
+    assert f"plan cache: the cached plan runs on {down}, down at start: starting on" in out, out
+    assert "calibration (" not in out and "plan cache: wrote" not in out, out
+    assert json.loads(written.read_text())["plan"] == offload  # not written over
+    exact(net, tmp_path / "o.npz", 4)

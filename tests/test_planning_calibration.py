@@ -163,3 +163,36 @@ def replace_rates(r, calibrated):
     from deepco.planning.calibration import with_compute_scale
 
     return replace(with_compute_scale(r, calibrated.compute_scale), step_overhead=calibrated.step_overhead)
+
+
+def test_plans_a_runoff_cannot_tell_apart_are_named_and_clearly_slower_ones_are_not(costs):
+    from deepco.planning.calibration import plan_key, too_close
+
+    r = rates()
+    steady = Timed(local_plan(costs, r), [0.100, 0.101, 0.099, 0.100, 0.102, 0.098])
+    noisy = Timed(offload_plan(costs, r, "s0"), [0.070, 0.140, 0.095, 0.110, 0.080, 0.125])  # mean 0.103
+    slow = Timed(offload_plan(costs, r, "s1"), [0.150, 0.151, 0.149, 0.150, 0.152, 0.148])
+    assert sorted(too_close([steady, noisy, slow])) == sorted([plan_key(steady.plan), plan_key(noisy.plan)])
+    assert too_close([steady, slow]) == []  # 50 ms apart, a millisecond of noise: told apart
+    assert too_close([steady]) == []
+
+
+def test_a_runoff_within_the_noise_runs_as_many_frames_again_before_choosing(costs):
+    """Every plan measures the same mean with a wide spread: after the first runoff they are within the noise of
+    each other, so they run a second one and are chosen on twice the frames."""
+    from deepco.planning.calibration import calibrate
+
+    spread = iter([0.05, 0.15] * 1000)
+    time_plan, release, candidates, held, released = _fake_bench(costs, lambda plan: 0.1)
+
+    def noisy(plan, frames, warm_up):
+        return [next(spread) for _ in time_plan(plan, frames, warm_up)]
+
+    def with_offloads(rr, objective, shapes):
+        return [offload_plan(costs, rr, "s1")] if shapes == "offload" else candidates(rr, objective, shapes)
+
+    lines: list[str] = []
+    got = calibrate(costs, rates(), with_offloads, noisy, release, log=lines.append, settle=0, runoff_frames=3)
+    assert any(line.endswith("within the noise of each other: a longer runoff") for line in lines), lines
+    runoffs = [t for t in got.trials if t["note"] == "runoff"]
+    assert runoffs and max(t["frames"] for t in runoffs) == 6, runoffs

@@ -1,15 +1,21 @@
 """`deepco demo`: why DeepCo. A weak camera (the device process under a cgroup CPU quota of 0.2 core), three
-local servers sharing this machine's cores, the camera's two antennas EMULATED at 40 Mbit/s each, a clip made
-from a real photo, EfficientNet-Lite0 with its real ImageNet weights; `local` (the camera alone), `offload`
-(the whole model on the best server) and DeepCo's `auto` plan run the same clip side by side; a table compares
-them and a picture shows the plan on the frame and every frame's latency. Servers, cgroups and temporary files
-are removed at the end and on Ctrl-C.
+local servers, each an edge box under a cgroup CPU quota of 0.6 core, the camera's two antennas EMULATED at 20
+Mbit/s each, a clip made from a real photo, EfficientNet-Lite0 with its real ImageNet weights at 288x288;
+`local` (the camera alone), `offload` (the whole model on the best server) and DeepCo's `auto` plan run the
+same clip side by side; a table compares them and a picture shows the plan on the frame and every frame's
+latency. Servers, cgroups and temporary files are removed at the end and on Ctrl-C.
 
-Why these defaults: offload sends the whole frame over one antenna and computes it on one server; a split
-sends part of the rows (and their halos) over each antenna at once and shares the first layers among servers.
-The paced links let a server compute only once its input would have arrived. The planner is not told any of
-this: it measures and chooses. `--server-cpu`, `--camera-cpu`, `--antennas` and `--bandwidth` change the
-setting (`deepco bench --preset demo` is the same setting on the kernel-shaped testbed).
+Why these defaults: an edge picture that fits this machine's two cores, each part a known size: the camera
+(0.2 core) and three edge boxes (0.6 core each) add up to 2 cores, so no box is slowed by another; radio
+uplinks of 20 Mbit/s per antenna (cellular or a busy Wi-Fi), and a 288x288 frame (larger than the model's
+native 224x224, as a camera's frames are: more rows to share). Offload sends the whole frame over
+one antenna and computes it on one server; a split sends part of the rows (and their halos) over each
+antenna at once and shares the first layers among servers. The paced links let a server compute only once
+its input would have arrived. The planner is not told any of this: it measures and chooses. With the
+servers sharing the machine's cores unlimited, and links of 40 Mbit/s at 224x224, a split measured only
+about 10% faster than offload and calibration chose either. `--server-cpu`, `--camera-cpu`, `--antennas`,
+`--bandwidth` and `--input-size` change the setting (`deepco bench --preset demo` is the same setting on the
+kernel-shaped testbed).
 
 The device runs in a child process (``python -m deepco_bench.demo --worker SPEC``) so that the quota limits it
 alone: it joins the cgroup after its imports and after loading the model and building its partitioner (what a
@@ -30,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +45,17 @@ from deepco.errors import UserError
 
 LISTENING = re.compile(r"deepco serve: listening on (\S+)")
 PLANS = ("local", "offload", "auto")
-SERVER_CPU = 0.0  # unlimited: the servers share the machine's cores
+SERVER_CPU = 0.6  # an edge box each: 3 x 0.6 + the camera's 0.2 = a 2-core machine
+BANDWIDTH = 20.0  # Mbit/s per antenna: a radio uplink
+INPUT_SIZE = "288x288"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco demo`."""
     p.add_argument("--servers", type=int, default=3, help="local `deepco serve` processes (default 3)")
     p.add_argument("--antennas", type=int, default=2, help="the camera's antennas, one link each (default 2)")
-    p.add_argument("--bandwidth", type=float, default=40.0,
-                   help="Mbit/s per antenna, EMULATED by app-level pacing on loopback (default 40)")
+    p.add_argument("--bandwidth", type=float, default=BANDWIDTH,
+                   help=f"Mbit/s per antenna, EMULATED by app-level pacing on loopback (default {BANDWIDTH:g})")
     p.add_argument("--camera-cpu", type=float, default=0.2, metavar="CORES",
                    help="the camera's CPU: a cgroup quota of this share of one core on the device process "
                         "(needs root and a cpu cgroup; default 0.2)")
@@ -56,17 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"camera's; 0: unlimited; default {SERVER_CPU:g})")
     p.add_argument("--frames", type=int, default=16, help="frames of the clip each plan runs (default 16)")
     p.add_argument("--model", default="efficientnet-lite0", help="zoo model (default efficientnet-lite0)")
-    p.add_argument("--input-size", default="224x224", metavar="HxW", help="(default 224x224)")
+    p.add_argument("--input-size", default=INPUT_SIZE, metavar="HxW", help=f"(default {INPUT_SIZE})")
     p.add_argument("--plot", default="deepco-demo.png", metavar="FILE.png",
                    help="the picture: the plan on the frame, and every frame's latency (default deepco-demo.png)")
     p.add_argument("--json", metavar="FILE", help="write the comparison as JSON (default: none)")
 
 
 @contextlib.contextmanager
-def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = (),
-                  pids: list[int] | None = None) -> Iterator[list[str]]:
+def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = (), pids: list[int] | None = None,
+                  meanwhile: Callable[[], object] | None = None) -> Iterator[list[str]]:
     """Start ``count`` `deepco serve` processes on free loopback ports (``extra``: more flags; ``pids``: filled
-    with their process ids); stop them (SIGTERM) on exit."""
+    with their process ids; ``meanwhile``: run here while they start up); stop them (SIGTERM) on exit."""
     procs: list[subprocess.Popen] = []
     addresses: list[str] = []
     try:
@@ -74,6 +82,8 @@ def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = (),
             proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", "--threads", str(threads),
                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             procs.append(proc)
+        if meanwhile is not None:  # the servers' imports take seconds of the other cores
+            meanwhile()
         for proc in procs:  # started together: their imports overlap
             line = proc.stdout.readline()
             match = LISTENING.search(line)
@@ -162,10 +172,10 @@ def quota_group(group: Path, version: str, cores: float) -> None:
         (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
 
 
-def edge_servers(camera_procs: Path, pids: list[int], cores: float) -> str:
+def edge_servers(camera_procs: Path, pids: list[int], cores: float) -> bool:
     """Give each server (by process id) a cpu cgroup of its own with a quota of ``cores``, beside the camera's
     (``camera_procs``: its cgroup.procs; removed with it): edge servers of a known size, which a busy machine
-    cannot slow down below it either. What was done, in words."""
+    cannot slow down below it either. Whether every quota was set (a server left out runs at full speed)."""
     from deepco_bench.testbed import cgroup_root
 
     version = cgroup_root()[0]
@@ -176,8 +186,29 @@ def edge_servers(camera_procs: Path, pids: list[int], cores: float) -> str:
             quota_group(group, version, cores)
             (group / "cgroup.procs").write_text(str(pid))
     except OSError as exc:
-        return f"the servers run at full speed (their CPU quota could not be set: {exc.strerror or exc})"
-    return f"each server under a cgroup CPU quota of {cores:g} core"
+        print(f"demo: the servers' CPU quota could not be set ({exc.strerror or exc})", flush=True)
+        return False
+    return True
+
+
+def setting(args: argparse.Namespace, camera: bool, boxes: bool) -> str:
+    """The servers' CPU in words, for the progress line: edge boxes under a quota each (``boxes``), or the
+    machine's cores shared (say why where a quota was asked for: ``camera``, whether cgroups could be made)."""
+    if boxes:
+        return (f"each server is an edge box under a cgroup CPU quota of {args.server_cpu:g} core (EMULATED), "
+                f"{args.servers} x {args.server_cpu:g} + the camera's {args.camera_cpu:g} on this machine's "
+                f"{os.cpu_count()} cores")
+    why = ("" if args.server_cpu == 0 else " (their CPU quota needs root and a cpu cgroup, as the camera's)"
+           if not camera else " (their CPU quota could not be set)")
+    return f"the servers share this machine's {os.cpu_count()} cores{why}"
+
+
+def title_setting(args: argparse.Namespace, camera: bool, boxes: bool) -> str:
+    """What the picture's title says was emulated on the CPUs: exactly what ran."""
+    if not camera:
+        return "camera and servers at full speed (no cgroup)"
+    servers = f"servers {args.server_cpu:g} core each" if boxes else f"servers share {os.cpu_count()} cores"
+    return f"camera {args.camera_cpu:g} core, {servers} (cgroup CPU quotas, EMULATED)"
 
 
 # ---- the device (child process) -------------------------------------------------------------------------
@@ -201,11 +232,14 @@ def worker(spec_path: str) -> int:
             Path(spec["cgroup"]).write_text(str(os.getpid()))
         log("measuring the camera, each server and each link ...")
         dev.setup(rows=False)  # the staged planner plans for itself
-        log("planning, then timing the best plans on frames of the clip (calibration) ...")
+        log("planning: a search over every candidate plan on the camera's own CPU (the longest step), then "
+            "timing the best plans on frames of the clip (calibration) ...")
         planner = StagedPlanner(dev)
         plans = {"local": planner.named("local"), "offload": planner.named("offload"),
                  "auto": planner.calibrate("latency")}
-        split = next((p for p in planner.plans() if p.kind == "split"), None)
+        # the best split is drawn only where auto is none: a search on the camera's quota costs seconds
+        split = plans["auto"] if plans["auto"].kind == "split" else next(
+            (p for p in planner.plans() if p.kind == "split"), None)
         results: dict = {"plans": {}, "best_split": split.to_dict() if split else None,
                          "rates": dev.measured.to_dict(), "servers": planner.servers()}
         outputs = {}
@@ -390,8 +424,24 @@ def draw(path: Path, frame: np.ndarray, results: dict, rows: list[dict], title: 
     plt.close(fig)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags out of range (UserError), before anything is started or imported."""
+    if not 1 <= args.servers <= 16:
+        raise UserError(f"--servers must be in 1..16, got {args.servers}")
+    if args.frames <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or not 0.1 <= args.camera_cpu <= 64:
+        raise UserError("--frames, --antennas and --bandwidth must be positive, --camera-cpu in [0.1, 64] (cores)")
+    if args.server_cpu != 0 and not 0.1 <= args.server_cpu <= 64:
+        raise UserError(f"--server-cpu must be 0 (unlimited) or in [0.1, 64] (cores), got {args.server_cpu:g}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Camera cgroup, servers, clip and model up; the device runs every plan; compare, draw, clean up."""
+    started = time.perf_counter()
+    check_flags(args)
+    # the first line comes before the imports: torch alone takes seconds, and the demo once printed nothing
+    # for its first ~35 s
+    print(f"demo: setting up a clip, {args.model}, {args.servers} local servers and a weak camera; the camera "
+          "then measures, plans and times its best plans before the comparison ...", flush=True)
     from deepco_device.preprocess import preprocessing_for
     from deepco_device.sources import make_pan_zoom_clip
 
@@ -399,33 +449,28 @@ def run(args: argparse.Namespace) -> int:
     from deepco.parsing import parse_size
     from deepco.partition.source import load_model
 
-    if not 1 <= args.servers <= 16:
-        raise UserError(f"--servers must be in 1..16, got {args.servers}")
-    if args.frames <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or not 0.1 <= args.camera_cpu <= 64:
-        raise UserError("--frames, --antennas and --bandwidth must be positive, --camera-cpu in [0.1, 64] (cores)")
-    if args.server_cpu != 0 and not 0.1 <= args.server_cpu <= 64:
-        raise UserError(f"--server-cpu must be 0 (unlimited) or in [0.1, 64] (cores), got {args.server_cpu:g}")
     if args.model not in zoo.MODELS:
         raise UserError(f"--model must be a zoo model ({', '.join(zoo.MODELS)}), got {args.model!r}")
     height, width = parse_size(args.input_size)
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="deepco-demo-") as tmp_name:
         tmp = Path(tmp_name)
         clip = make_pan_zoom_clip(grace_hopper(), tmp / "grace_hopper_pan_zoom.avi", frames=args.frames)
         print(f"demo: clip {clip.name}: {args.frames} frames panning and zooming over grace_hopper.jpg", flush=True)
         model_path = tmp / f"{args.model}.onnx"
-        print(f"demo: exporting {args.model} at {height}x{width} ...", flush=True)
-        model_path.write_bytes(load_model(args.model, height, width).SerializeToString())  # the model cache's
+
+        def export() -> None:
+            print(f"demo: exporting {args.model} at {height}x{width} while the servers start ...", flush=True)
+            model_path.write_bytes(load_model(args.model, height, width).SerializeToString())  # the model cache's
+
         pids: list[int] = []
-        with weak_camera(args.camera_cpu) as (cgroup, camera), local_servers(args.servers, pids=pids) as addresses:
-            if cgroup is not None and args.server_cpu > 0:
-                camera += "; " + edge_servers(cgroup, pids, args.server_cpu)
-            elif args.server_cpu > 0:
-                camera += "; the servers run at full speed too (their CPU quota needs the same)"
+        with (weak_camera(args.camera_cpu) as (cgroup, camera),
+              local_servers(args.servers, pids=pids, meanwhile=export) as addresses):
+            boxes = cgroup is not None and args.server_cpu > 0 and edge_servers(cgroup, pids, args.server_cpu)
+            servers = setting(args, cgroup is not None, boxes)
             print(f"demo: {camera}", flush=True)
             print(f"demo: {len(addresses)} local servers: {', '.join(addresses)}; EMULATED links: {args.antennas} "
-                  f"antenna(s) at {args.bandwidth:g} Mbit/s each, by app-level pacing on loopback; the servers "
-                  f"share this machine's {os.cpu_count()} cores", flush=True)
+                  f"antenna(s) at {args.bandwidth:g} Mbit/s each, by app-level pacing on loopback; {servers}",
+                  flush=True)
             spec = {"cluster": str(write_cluster(tmp / "cluster.toml", addresses, args.antennas, args.bandwidth)),
                     "model": str(model_path), "clip": str(clip), "frames": args.frames, "height": height,
                     "width": width, "cgroup": str(cgroup) if cgroup else None, "outputs": str(tmp / "outputs.npz"),
@@ -446,13 +491,13 @@ def run(args: argparse.Namespace) -> int:
     auto = next(r for r in rows if r["plan"] == "auto")
     line, frame = frame_zero(args.model, data, auto["top1"])
     print(f"demo: frame 0 (the unmoved photo) under auto: {line}")
-    camera_note = camera if cgroup else "camera at full speed (no cgroup)"
     draw(Path(args.plot), frame, results, rows,
          f"{args.model} {height}x{width}, {len(addresses)} local servers, {args.antennas} x {args.bandwidth:g} "
-         f"Mbit/s (EMULATED); {camera_note.split(' (')[0]}")
+         f"Mbit/s (EMULATED); {title_setting(args, cgroup is not None, boxes)}")
     print(f"demo: picture written to {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"camera": camera, "rows": rows, "plans": results["plans"],
+        Path(args.json).write_text(json.dumps({"camera": camera, "servers": servers, "rows": rows,
+                                               "plans": results["plans"],
                                                "rates": results["rates"]}, indent=1))
     print(f"demo: done in {time.perf_counter() - started:.0f} s")
     return 0

@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dry.add_argument("--weights", default=None, help="state-dict file for a zoo model")
     dry.add_argument("--save", default=None, metavar="F.json",
                      help="write the plan to F.json, for `deepco run --plan F.json` to run exactly it")
+    cache = dry.add_mutually_exclusive_group()
+    cache.add_argument("--plan-cache", default=None, metavar="DIR",
+                       help="where auto keeps the plan it calibrated and reads it back (as `deepco run` does; "
+                            "default: $XDG_CACHE_HOME/deepco, else ~/.cache/deepco)")
+    cache.add_argument("--no-plan-cache", action="store_true",
+                       help="neither read nor write the plan cache: auto measures and calibrates")
     modelcard.add_arguments(p)
     security.add_arguments(p)
 

@@ -17,14 +17,13 @@ plans through a callback (the device runs them on its servers), fits, plans agai
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
-
-from scipy.optimize import minimize_scalar
 
 from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps
 
@@ -79,6 +78,8 @@ def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, 
         return 1.0, rates.step_overhead
     if not scale_fittable(timed):
         return 1.0, _error(timed, costs, rates, 1.0)[1]
+    from scipy.optimize import minimize_scalar  # here: a second of imports that a warm start does without
+
     best = minimize_scalar(lambda s: _error(timed, costs, rates, s)[0], bounds=SCALE_BOUNDS, method="bounded",
                            options={"xatol": 1e-3})
     scale = float(best.x)
@@ -99,6 +100,18 @@ def choose(timed: Sequence[Timed]) -> Timed:
     fastest = min(timed, key=lambda t: t.mean)
     close = [t for t in timed if t.mean <= fastest.mean * (1 + SIMPLER_MARGIN)]
     return min(close, key=lambda t: (steps(t.plan), uses_the_device(t.plan), t.mean))
+
+
+def too_close(timed: Sequence[Timed], z: float = 2.0) -> list[str]:
+    """The keys of the plans whose mean latency is within ``z`` standard errors (of the difference) of the
+    fastest's, the fastest included: a runoff that cannot tell them apart yet (one plan or none: it can)."""
+    fastest = min(timed, key=lambda t: t.mean)
+
+    def error(t: Timed) -> float:
+        return statistics.variance(t.seconds) / len(t.seconds) if len(t.seconds) > 1 else math.inf
+
+    close = [t for t in timed if t.mean - fastest.mean <= z * math.sqrt(error(t) + error(fastest))]
+    return [plan_key(t.plan) for t in close] if len(close) > 1 else []
 
 
 FIDELITY = (0.8, 1.25)  # measured / predicted a plan's prediction is held to
@@ -259,17 +272,20 @@ class _Bench:
         finalists = set(self.finalists())
         self.give_back(lambda k: k not in finalists)
 
-    def runoff(self, finalists: list[str], frames: int) -> list[Timed]:
+    def runoff(self, finalists: list[str], frames: int, before: Sequence[Timed] = ()) -> list[Timed]:
         """The ``finalists`` run again side by side, interleaved in a fresh order every round on refilled
-        quotas; their timings (added to ``timed`` too). A finalist whose resources no longer fit is left out."""
+        quotas; their timings (added to ``timed`` too), after those of an earlier runoff (``before``). A
+        finalist whose resources no longer fit is left out."""
         ready = {k: self.timed[k].plan for k in finalists if self.run(self.timed[k].plan, 0, False) is not None}
-        runoff = {k: Timed(plan, []) for k, plan in ready.items()}
+        earlier = {plan_key(t.plan): t.seconds for t in before}
+        runoff = {k: Timed(plan, list(earlier.get(k, []))) for k, plan in ready.items()}
+        new = {k: len(t.seconds) for k, t in runoff.items()}
         for i in range(frames):
             for k in round_order(list(ready), i):
                 time.sleep(self.settle)
                 runoff[k].seconds.extend(self.run(ready[k], 1, False) or [])
         for k, t in runoff.items():
-            self.timed[k] = Timed(t.plan, self.timed[k].seconds + t.seconds)
+            self.timed[k] = Timed(t.plan, self.timed[k].seconds + t.seconds[new[k]:])
             self.trials.append({"plan": t.plan.describe(), "measured": t.mean, "steps": steps(t.plan),
                                 "note": "runoff", "frames": len(t.seconds)})
             self.log(f"calibration (runoff, {len(t.seconds)} frames): {t.plan.describe()}: {t.mean * 1e3:.1f} ms")
@@ -340,6 +356,11 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
         # Two frames each cannot tell plans 10% apart on a quota'd CPU: the close ones run again, side by
         # side as the benchmark runs them (interleaved in a fresh order every round, on refilled quotas).
         runoff = bench.runoff(finalists, runoff_frames)
+        tied = too_close(runoff)
+        if len(tied) > 1:  # the measured order of these is noise so far: they run as many frames again
+            bench.log(f"calibration: {len(tied)} plans within the noise of each other: a longer runoff")
+            runoff = [t for t in runoff if plan_key(t.plan) not in tied] + bench.runoff(
+                tied, runoff_frames, before=[t for t in runoff if plan_key(t.plan) in tied])
         bench.refit()
         chosen = bench.timed[plan_key(choose(runoff).plan)]
     else:

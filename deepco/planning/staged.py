@@ -28,6 +28,7 @@ and fps of a given number of frames in flight.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -621,6 +622,9 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
     inf = math.inf
     # best[k][s]: least time to have level cuts[k] in bands after s stages
     limit = max_stages or n_cuts
+    # a stage's time does not depend on how many came before it: computed once per pair, not once per depth
+    stage = functools.cache(lambda prev, k: _stage_seconds(costs, rates, chosen, cuts[prev], cuts[k], False,
+                                                          lookahead))
     best = [[inf] * (limit + 1) for _ in range(n_cuts)]
     back: dict[tuple[int, int], int | None] = {}
     for k in range(n_cuts):
@@ -631,7 +635,7 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
             for prev in range(k):
                 if best[prev][s - 1] == inf:
                     continue
-                t = best[prev][s - 1] + _stage_seconds(costs, rates, chosen, cuts[prev], cuts[k], False, lookahead)
+                t = best[prev][s - 1] + stage(prev, k)
                 if t < best[k][s]:
                     best[k][s], back[(k, s)] = t, prev
     out = []
