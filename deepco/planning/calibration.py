@@ -237,30 +237,31 @@ class _Bench:
         fastest = self.fastest().mean
         return [k for k, t in self.timed.items() if t.mean <= fastest * (1 + RUNOFF_WITHIN)]
 
-    def run(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float] | None:
+    def run(self, plan: StagedPlan, frames: int, warm_up: bool, make_room: bool = True) -> list[float] | None:
         """``time_plan``, or None with a note when the plan does not fit even after the other held plans were
-        released (they may be what fills the servers)."""
+        released (they may be what fills the servers; not with ``make_room`` False: they are finalists)."""
         key = plan_key(plan)
-        try:
-            seconds = self.time_plan(plan, frames, warm_up)
-        except Unfit:
-            self.give_back(lambda k: k != key)
+        tries = 2 if make_room else 1
+        for attempt in range(tries):
             try:
                 seconds = self.time_plan(plan, frames, warm_up)
+                break
             except Unfit as exc:
-                self.unfit.add(key)
-                self.log(f"calibration: skipped {plan.describe()}: {exc}")
-                return None
+                if attempt == tries - 1:
+                    self.unfit.add(key)
+                    self.log(f"calibration: skipped {plan.describe()}: {exc}")
+                    return None
+                self.give_back(lambda k: k != key)
         self.held[key] = plan
         return seconds
 
     def refit(self) -> None:
         self.scale, self.overhead = fit(list(self.timed.values()), self.costs, self.measured)
 
-    def time(self, plan: StagedPlan, note: str) -> None:
+    def time(self, plan: StagedPlan, note: str, make_room: bool = True) -> None:
         """Time ``plan`` on ``frames`` frames after a warm-up, refit the cost model, log it, and release the
-        plans that can no longer be chosen."""
-        seconds = self.run(plan, self.frames, True)
+        plans that can no longer be chosen (`run`'s ``make_room``)."""
+        seconds = self.run(plan, self.frames, True, make_room)
         if seconds is None:
             return
         key = plan_key(plan)
@@ -352,10 +353,11 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
         if plan_key(contender) not in bench.timed and plan_key(contender) not in bench.unfit:
             bench.time(contender, "contender")
     # the contenders may be what let the fit tell a slower model from a step overhead: the plan the final fit
-    # ranks first is timed too, so that it is not ruled out by a misfit of the first rounds
+    # ranks first is timed too, so that it is not ruled out by a misfit of the first rounds (only where it fits
+    # beside the plans timed so far: those are now the finalists)
     replanned = bench.first_new(candidates(bench.rates(), objective, "all"))
     if replanned is not None and plan_key(replanned) not in bench.timed:
-        bench.time(replanned, "planned on the final fit")
+        bench.time(replanned, "planned on the final fit", make_room=False)
     finalists = bench.finalists()
     if len(finalists) > 1:
         # Two frames each cannot tell plans 10% apart on a quota'd CPU: the close ones run again, side by
