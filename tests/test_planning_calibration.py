@@ -38,6 +38,29 @@ def test_fit_recovers_the_scale_and_overhead_the_timings_were_made_with(costs):
     assert got_overhead == pytest.approx(overhead, rel=5e-2, abs=2e-4)
 
 
+def test_two_plans_of_different_step_counts_tell_a_slower_model_from_a_step_overhead(costs):
+    """Calibration's first two plans are typically a split of several steps and offload. Their timings, made
+    with the model's layers at half the profiled FLOP rate and 3 ms per step, must be read as that: fitting
+    the overhead alone (issue 29: yolov8n fitted ~250 ms per step) made every deeper split look slower."""
+    from dataclasses import replace
+
+    from deepco.planning.calibration import with_compute_scale
+    from deepco.planning.staged import split_plan
+
+    r = rates()
+    true = replace(with_compute_scale(r, 2.0), step_overhead=0.003)
+    split = split_plan(costs, r, ["s0", "s1"], ["layer1", "layer2", "layer3"], False, "s0")
+    offload = offload_plan(costs, r, "s0")
+    assert split is not None and len(split.levels) + 1 == 4
+    timed = [Timed(p, [predict(p, costs, true)["frame"]]) for p in (split, offload)]
+    scale, overhead = fit(timed, costs, r)
+    assert scale == pytest.approx(2.0, rel=2e-2)
+    assert overhead == pytest.approx(0.003, rel=0.1, abs=3e-4)
+    # local depends on neither term: with offload it still cannot tell them apart
+    only = fit([timed[1], Timed(local_plan(costs, r), [costs.total_flops / 1e9])], costs, r)
+    assert only[0] == 1.0
+
+
 def test_with_one_kind_of_plan_only_the_overhead_is_fitted(costs):
     r = rates()
     measured = IN / 1e6 + 0.001 + costs.total_flops / 4e9 + 0.005 + OUT / 1e6
@@ -196,3 +219,26 @@ def test_a_runoff_within_the_noise_runs_as_many_frames_again_before_choosing(cos
     assert any(line.endswith("within the noise of each other: a longer runoff") for line in lines), lines
     runoffs = [t for t in got.trials if t["note"] == "runoff"]
     assert runoffs and max(t["frames"] for t in runoffs) == 6, runoffs
+
+
+def test_calibration_in_a_world_of_slower_layers_fits_it_and_ends_on_the_truly_fastest_plan(costs):
+    """Frames timed exactly as the cost model predicts them with the model's layers at half the profiled FLOP
+    rate and 3 ms per step: calibration must fit that model and choose the plan that is fastest in it, having
+    timed the plan its final fit ranks first (not one ruled out by the first rounds' misfit)."""
+    from dataclasses import replace
+
+    from deepco.planning.calibration import calibrate, with_compute_scale
+    from deepco.planning.staged import search
+
+    r = rates()
+    true = replace(with_compute_scale(r, 2.0), step_overhead=0.003)
+    time_plan, release, candidates, held, _ = _fake_bench(costs, lambda p: predict(p, costs, true)["frame"])
+    got = calibrate(costs, r, candidates, time_plan, release, log=lambda _: None, settle=0)
+    assert got.compute_scale == pytest.approx(2.0, rel=5e-2)
+    assert got.step_overhead == pytest.approx(0.003, rel=0.2, abs=5e-4)
+    timed = {t["plan"] for t in got.trials}
+    assert search(costs, replace_rates(r, got), ["s0", "s1"])[0].describe() in timed
+    fastest = search(costs, true, ["s0", "s1"])[0]
+    # choose: a plan of fewer steps within SIMPLER_MARGIN of the fastest wins
+    assert predict(got.plan, costs, true)["frame"] <= 1.03 * fastest.predicted + 1e-9
+    assert got.plan.fidelity["within"]

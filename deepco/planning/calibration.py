@@ -65,18 +65,34 @@ def _error(timed: Sequence[Timed], costs: CostModel, rates: Rates, scale: float)
     return err, overhead
 
 
-def scale_fittable(timed: Sequence[Timed]) -> bool:
-    """Whether `fit` can fit the compute scale: at least three timed plans, of at least two step counts."""
-    return len(timed) >= 3 and len({steps(t.plan) for t in timed}) >= 2
+DISTINCT = 0.2  # plans whose compute per step differs by less than this tell the scale from the overhead badly
+
+
+def _compute_seconds(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
+    """Seconds of server compute on ``plan``'s critical path: what a compute scale of 2 adds to its frame."""
+    bare = replace(rates, step_overhead=0.0)
+    return (predict(plan, costs, with_compute_scale(bare, 2.0))["frame"] - predict(plan, costs, bare)["frame"])
+
+
+def scale_fittable(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> bool:
+    """Whether `fit` can fit the compute scale besides the overhead: among the timed plans that use the servers
+    (a local plan's time depends on neither term), two whose server compute per step differs by ``DISTINCT``
+    or more, so that a slowdown proportional to the FLOPs and one proportional to the steps can be told
+    apart (two offloads to servers of different speeds, or a split of several steps and offload). Two plans
+    suffice: calibration's first two are typically the deepest split and offload, and fitting the overhead
+    alone from them made a uniform slowdown (yolov8n's SiLU and Concat layers run at half the profiled FLOP
+    rate) look like ~250 ms per step, which then ruled out every plan of several steps when planning again."""
+    per_step = [_compute_seconds(t.plan, costs, rates) / steps(t.plan) for t in timed if steps(t.plan) > 0]
+    return len(per_step) >= 2 and min(per_step) < (1 - DISTINCT) * max(per_step)
 
 
 def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, float]:
-    """``(compute_scale, step_overhead)`` that best explain the timed plans. The scale needs plans with at least
-    two different numbers of steps besides (otherwise it and the overhead cannot be told apart): with fewer,
-    only the overhead is fitted and the scale stays 1."""
+    """``(compute_scale, step_overhead)`` that best explain the timed plans. The scale needs plans on servers of
+    different compute per step (`scale_fittable`; otherwise it and the overhead cannot be told apart): without
+    them, only the overhead is fitted and the scale stays 1."""
     if not timed:
         return 1.0, rates.step_overhead
-    if not scale_fittable(timed):
+    if not scale_fittable(timed, costs, rates):
         return 1.0, _error(timed, costs, rates, 1.0)[1]
     from scipy.optimize import minimize_scalar  # here: a second of imports that a warm start does without
 
@@ -140,8 +156,8 @@ def fidelity(chosen: Timed, timed: Sequence[Timed], costs: CostModel, rates: Rat
     listed = "; ".join(f"{r:.2f} for {d}" for r, d in others)
     ratios = [r for r, _ in others] or [ratio]
     if all(r < FIDELITY[0] for r in ratios) or all(r > FIDELITY[1] for r in ratios):
-        cannot = ("a compute scale is fitted from three timed plans of two step counts on, and these were "
-                  f"{len(timed)}" if not scale_fittable(timed) else
+        cannot = ("a compute scale is fitted from two timed plans on servers of different compute per step "
+                  f"on, and these were {len(timed)}" if not scale_fittable(timed, costs, rates) else
                   "the compute scale is bounded to 0.25-4 and the step overhead to >= 0")
         report["why"] = (f"every timed plan measured off its prediction the same way ({listed}): a common factor "
                          f"the fit could not take out ({cannot}). The plan was chosen on measured time, not on "
@@ -234,30 +250,31 @@ class _Bench:
         fastest = self.fastest().mean
         return [k for k, t in self.timed.items() if t.mean <= fastest * (1 + RUNOFF_WITHIN)]
 
-    def run(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float] | None:
+    def run(self, plan: StagedPlan, frames: int, warm_up: bool, make_room: bool = True) -> list[float] | None:
         """``time_plan``, or None with a note when the plan does not fit even after the other held plans were
-        released (they may be what fills the servers)."""
+        released (they may be what fills the servers; not with ``make_room`` False: they are finalists)."""
         key = plan_key(plan)
-        try:
-            seconds = self.time_plan(plan, frames, warm_up)
-        except Unfit:
-            self.give_back(lambda k: k != key)
+        tries = 2 if make_room else 1
+        for attempt in range(tries):
             try:
                 seconds = self.time_plan(plan, frames, warm_up)
+                break
             except Unfit as exc:
-                self.unfit.add(key)
-                self.log(f"calibration: skipped {plan.describe()}: {exc}")
-                return None
+                if attempt == tries - 1:
+                    self.unfit.add(key)
+                    self.log(f"calibration: skipped {plan.describe()}: {exc}")
+                    return None
+                self.give_back(lambda k: k != key)
         self.held[key] = plan
         return seconds
 
     def refit(self) -> None:
         self.scale, self.overhead = fit(list(self.timed.values()), self.costs, self.measured)
 
-    def time(self, plan: StagedPlan, note: str) -> None:
+    def time(self, plan: StagedPlan, note: str, make_room: bool = True) -> None:
         """Time ``plan`` on ``frames`` frames after a warm-up, refit the cost model, log it, and release the
-        plans that can no longer be chosen."""
-        seconds = self.run(plan, self.frames, True)
+        plans that can no longer be chosen (`run`'s ``make_room``)."""
+        seconds = self.run(plan, self.frames, True, make_room)
         if seconds is None:
             return
         key = plan_key(plan)
@@ -351,6 +368,12 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
     for contender in contenders:
         if plan_key(contender) not in bench.timed and plan_key(contender) not in bench.unfit:
             bench.time(contender, "contender")
+    # the contenders may be what let the fit tell a slower model from a step overhead: the plan the final fit
+    # ranks first is timed too, so that it is not ruled out by a misfit of the first rounds (only where it fits
+    # beside the plans timed so far: those are now the finalists)
+    replanned = bench.first_new(candidates(bench.rates(), objective, "all"))
+    if replanned is not None and plan_key(replanned) not in bench.timed:
+        bench.time(replanned, "planned on the final fit", make_room=False)
     finalists = bench.finalists()
     if len(finalists) > 1:
         # Two frames each cannot tell plans 10% apart on a quota'd CPU: the close ones run again, side by
