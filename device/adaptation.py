@@ -9,7 +9,13 @@ losing a frame.
   the cost model prefers on the current rates (auto: the staged planner's best; a paper plan: the same
   algorithm). A candidate predicted faster than the running plan by more than ``margin`` is a `Trial`:
   its models are uploaded in the background (frames go on meanwhile), then every other frame runs on it
-  until ``frames`` frames have run on each; the device switches if its median latency is lower. Frames are
+  until ``frames`` frames have run on each; the device switches if its median latency is lower.
+- **No upload where it can be helped.** An upload from a weak camera takes its CPU and its antennas from the
+  live frames for seconds (a ResNet-18 is 45 MB). So calibration's finalists keep their models on the
+  servers for the run (`StagedPlanner.calibrate(standby=True)`), a plan the device left keeps its own, and of
+  the proposed plans one whose models are all held (``warm``: device.runners.warm; models are shared by
+  content, so a split over fewer servers at the same levels is warm too) is tried rather than the best when
+  predicted within ``margin`` of it. Frames are
   never held back nor blank, and the pipeline yields them in order whatever plan ran them
   (device/pipeline.py), so a switch loses, duplicates and reorders none.
 
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
 MIN_SAMPLE_SECONDS = 1e-3  # work setup's rates give less time than this is all overhead and jitter: no sample
 MARGIN = 0.15  # a candidate is tried when the cost model predicts it this much (15%) faster than the running plan
 TRIAL_FRAMES = 3  # frames a candidate runs, and frames of the running plan it is compared with
+WARM_LOOKED_AT = 40  # of the proposed plans, best first, how many are looked at for one whose models are held
 
 
 @dataclass
@@ -86,18 +93,23 @@ class Trial:
 
 class Adaptation:
     """The live rates of a device's run and the plans they suggest (see the module doc). ``propose(down, rates)``
-    makes the plan the run would choose on ``rates`` without the servers in ``down``; ``seconds(plan, rates)``
-    is what it optimises, seconds per frame (default: the predicted latency; with frames pipelined, 1 / the
-    predicted fps)."""
+    makes the plan the run would choose on ``rates`` without the servers in ``down``, or the plans it would
+    choose from, best first; ``seconds(plan, rates)`` is what it optimises, seconds per frame (default: the
+    predicted latency; with frames pipelined, 1 / the predicted fps). ``warm(plan)``: whether the plan's models
+    are on its servers already; of the proposed plans, one that is and is predicted within ``margin`` of the
+    best is tried rather than the best (a switch to it uploads nothing, while an upload from a weak camera
+    takes its CPU and antennas from the live frames for seconds)."""
 
-    def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan], *, margin: float = MARGIN,
-                 frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
-                 seconds: Callable[[StagedPlan, Rates], float] | None = None):
+    def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan | list[StagedPlan]], *,
+                 margin: float = MARGIN, frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
+                 seconds: Callable[[StagedPlan, Rates], float] | None = None,
+                 warm: Callable[[StagedPlan], bool] | None = None):
         self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
         self.live = live or LiveRates()
         self.costs = device.costs
         self.paced = device.measured.paced
         self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
+        self.warm = warm or (lambda plan: False)
 
     def rates(self) -> Rates:
         """The current rates: setup's (with calibration's fit) moved by every change point seen."""
@@ -141,10 +153,21 @@ class Adaptation:
         by ``margin`` (default: the adaptation's; None returned: keep running)."""
         margin = self.margin if margin is None else margin
         rates = self.rates()
-        plan = self.propose(down, rates)
+        plan, held = self.choose(self.propose(down, rates), rates)
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
         new, now = self.seconds(plan, rates), self.seconds(running, rates)
         if new >= now * (1 - margin):
             return None
-        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms", self.frames)
+        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms"
+                           f"{'' if held else '; its models uploaded first'}", self.frames)
+
+    def choose(self, proposed: StagedPlan | list[StagedPlan], rates: Rates) -> tuple[StagedPlan, bool]:
+        """Of the ``proposed`` plans (best first), the best, or the best whose models are on the servers already
+        when it is predicted within ``margin`` of it; and whether the one chosen is such a plan."""
+        plans = [proposed] if isinstance(proposed, StagedPlan) else list(proposed)
+        best = plans[0]
+        held = next((p for p in plans[:WARM_LOOKED_AT] if self.warm(p)), None)
+        if held is not None and self.seconds(held, rates) <= self.seconds(best, rates) * (1 + self.margin):
+            return held, True
+        return best, held is best

@@ -67,14 +67,36 @@ class Uploads:
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (address, name) -> (client, users)
+        # id(bytes) -> (those bytes, their content name): a weak camera hashes a 45 MB model in about a second,
+        # which a switch to a plan whose models are already held must not cost (the bytes are kept, so no id is
+        # reused while its entry lives)
+        self._names: dict[int, tuple[bytes, str]] = {}
         self._lock = threading.Lock()
+
+    def name_of(self, model_bytes: bytes, base: str) -> str:
+        """The content-addressed name ``model_bytes`` are uploaded under (hashed once per bytes object)."""
+        with self._lock:
+            known = self._names.get(id(model_bytes))
+        if known is not None and known[0] is model_bytes and known[1].startswith(base[:100] + "-sha256-"):
+            return known[1]
+        name = content_name(base, model_bytes)
+        with self._lock:
+            self._names[id(model_bytes)] = (model_bytes, name)
+        return name
+
+    def holds(self, address: str, model_bytes: bytes, base: str) -> bool:
+        """Whether this device holds ``model_bytes`` loaded on the server at ``address`` (a runner that needs
+        them there uploads nothing)."""
+        name = self.name_of(model_bytes, base)
+        with self._lock:
+            return (address, name) in self._held
 
     def upload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
         """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name.
         Each call is one more user of the model (`drop` gives it back). A model this device already holds
         there is not loaded again (a replan then costs no call to a server that may be frozen); after `forget`
         it is. A server without room for it raises `NoRoom` at once; a busy one is waited for."""
-        name = content_name(base, model_bytes)
+        name = self.name_of(model_bytes, base)
         key = (client.address, name)
         with self._lock:
             if key in self._held:

@@ -287,13 +287,14 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
     """What to run (printed) and the frames left for it: the feed, or None where calibration took them all."""
     from deepco_device.adaptation import Adaptation
     from deepco_device.planner import LiveFrames, StagedPlanner
+    from deepco_device.runners import warm
 
     from deepco.planning.staged import throughput
 
     if cache is None:  # the paper's plan: failover replans with the same algorithm, and it adapts within it
         print(dev.describe_plan(), flush=True)
-        return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), Adaptation(dev, dev.replan(args.algorithm)),
-                      paper=True), feed
+        adapt = Adaptation(dev, dev.replan(args.algorithm), warm=lambda p: warm(dev, p))
+        return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), adapt, paper=True), feed
     planner = StagedPlanner(dev)
     objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
     rest, choice, depth = feed, None, args.depth
@@ -307,8 +308,8 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
         choice = planner.choose_slo(args.max_latency / 1e3)
         plan, depth = choice.option.plan, choice.option.depth
     elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
-        live = LiveFrames(feed, emit)
-        plan = planner.calibrate(objective, live=live)
+        live = LiveFrames(feed, emit)  # calibration's finalists stay loaded for live adaptation (below)
+        plan = planner.calibrate(objective, live=live, standby=True)
         cache.store(dev, plan, live)
         rest = None if live.ended else live.rest()
     else:
@@ -318,8 +319,8 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
     if args.plan is None and args.algorithm == "auto" and choice is None:
         per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if objective == "throughput" \
             else None  # else the predicted latency
-        adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates)[0],
-                           seconds=per_frame)
+        adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates),
+                           seconds=per_frame, warm=lambda p: warm(dev, p))
     return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
 
 

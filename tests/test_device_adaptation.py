@@ -144,3 +144,29 @@ def test_a_server_that_slows_down_is_switched_away_from_without_losing_a_frame(c
         assert r.error is None and exact(reference(frames[r.index]), r.output), r.index
     # the frames after the switch run on the new plan, which no longer gives the slow server the whole model
     assert results[-1].staged.server != "s0"
+
+
+def test_a_plan_whose_models_are_loaded_is_warm_costs_no_upload_and_is_tried_first_within_the_margin(cluster_of_two):
+    """A weak camera must not upload a model while frames run if it can help it: a runner of a plan whose models
+    this device holds on the servers sends no bytes, and live adaptation tries such a plan rather than the
+    cost model's best when it is predicted within the margin of it (else the best)."""
+    from deepco_device.runners import warm
+
+    dev, _ = cluster_of_two
+    planner = StagedPlanner(dev)
+    ranked = planner.plans("latency")
+    plan = next(p for p in ranked[1:] if p.kind == "split")
+    before = warm(dev, plan)
+    first = StagedRunner(dev, plan)
+    try:
+        assert warm(dev, plan)
+        sent = dev.pool.bytes_sent()
+        StagedRunner(dev, plan).close()  # a second runner of it (a switch back to it): nothing uploaded
+        assert dev.pool.bytes_sent() == sent
+    finally:
+        first.close()
+    assert warm(dev, plan) == before  # given back: warm only where another runner still holds them
+    rates = planner.rates()
+    for margin, want in ((1e6, plan), (0.0, ranked[0])):
+        adapt = Adaptation(dev, lambda down, r: ranked, margin=margin, warm=lambda p: p is plan)
+        assert adapt.choose(ranked, rates) == (want, want is plan)
