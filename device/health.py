@@ -53,7 +53,8 @@ class Health:
         self.ready, self.server_at, self.adapt = ready, server_at, adapt
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
-        self.down: set[str] = set()
+        self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
+        self.down: set[str] = set(device.down)  # a server down at setup is probed and joins like one back
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
         self._replanning = threading.Lock()  # one replan at a time (it may upload models)
@@ -124,7 +125,9 @@ class Health:
                 return
             self._probed = time.monotonic()
             candidates = sorted(self.down - self.liars)
-        back = [s for s in candidates if self.ready(s)]
+        # a server down since setup is measured first (plans use a server only once its rate is known): here,
+        # once, so that a trial under way cannot make the run forget it
+        back = [s for s in candidates if self.ready(s) and self._measured(s)]
         if not back:
             return
         with self._replanning:
@@ -149,6 +152,11 @@ class Health:
                 self.device.log(f"server {name} is back")
         if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
             self._consider(f"{', '.join(back)} back", margin=-math.inf)
+
+    def _measured(self, name: str) -> bool:
+        """Whether server ``name`` is measured, measuring it if setup could not (it was down then)."""
+        join = getattr(self.device, "join", None)
+        return join is None or join(name)
 
     def observe(self, runner, timing: FrameTiming) -> None:
         """Live adaptation: feed a successful frame's timing. A frame of the running plan feeds the live rates
@@ -177,10 +185,19 @@ class Health:
         once its models are on the servers."""
         with self.lock:
             if self.trial is not None or self._considering:
+                if margin == -math.inf:  # servers back: tried once the trial under way is decided
+                    self._joins_waiting = why
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
         self.background(self._propose, running, down, why, margin)
+
+    def _next(self) -> None:
+        """A trial was decided (or none made): the servers that came back meanwhile are tried now."""
+        with self.lock:
+            why, self._joins_waiting = self._joins_waiting, None
+        if why is not None:
+            self._consider(why, margin=-math.inf)
 
     def _propose(self, running, down: set[str], why: str, margin: float | None) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
@@ -203,6 +220,7 @@ class Health:
                 return
         if trial is not None:  # the plan changed meanwhile (a failover): this trial is moot
             trial.runner.close()
+        self._next()
 
     def _decide(self, trial: Trial) -> None:
         """Switch to the trial's plan if it measured faster, else give its models back; one line either way."""
@@ -219,10 +237,11 @@ class Health:
                                        "why": trial.why, "at": time.perf_counter()})
             self.device.log(f"switch: from {old.plan.describe()} to {trial.plan.describe()}: {trial.why}; "
                             f"measured {trial.verdict()}")
-            return
-        self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
-                        f"{trial.verdict()}")
-        trial.runner.close()
+        else:
+            self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
+                            f"{trial.verdict()}")
+            trial.runner.close()
+        self._next()
 
     def _abandon(self, runner, exc: ServerError) -> bool:
         """Whether ``runner`` is a trial's: then the trial ends (the frame is run again on the running plan)."""
@@ -232,6 +251,7 @@ class Health:
                 return False
             self.trial = None
         self.device.log(f"adapt: the trial of {trial.plan.describe()} failed ({exc}); kept the running plan")
+        self._next()
         return True
 
     def waiting_for(self) -> str:

@@ -93,15 +93,18 @@ def probe_shape(flops: float) -> tuple[list[int], float]:
     return [1, PROBE_CHANNELS, side, side], float(per_pixel * side * side)
 
 
-def server_rates(channels: Channels, reference: Cut, tag: str) -> dict[str, float]:
-    """FLOP/s of every server on the compute probe (`probe_model`), sized like the head up to ``reference``
-    (at most ``PROBE_FLOPS``); uploaded under a name of its own, since other devices may probe the same
-    servers, and unloaded again."""
+def server_rates(channels: Channels, reference_flops: float, tag: str,
+                 up: list[int] | None = None) -> dict[str, float]:
+    """FLOP/s of every server (``up``: those of these indices) on the compute probe (`probe_model`), sized
+    like the head up to the reference cut (``reference_flops``, at most ``PROBE_FLOPS``); uploaded under a
+    name of its own, since other devices may probe the same servers, and unloaded again."""
     data = probe_model().SerializeToString()
-    shape, flops = probe_shape(reference.head_flops)
+    shape, flops = probe_shape(reference_flops)
     name = f"{tag}-probe-{uuid.uuid4().hex[:8]}"
     rates = {}
     for k, srv in enumerate(channels.cluster.servers):
+        if up is not None and k not in up:
+            continue
         c = channels.client(k, 0)
         load_with_room(c, data, name)  # a full server is one line at once, not a minute's wait
         seconds = while_busy(lambda c=c: c.profile(name, shape, runs=3, warmup=1).seconds)
@@ -110,18 +113,18 @@ def server_rates(channels: Channels, reference: Cut, tag: str) -> dict[str, floa
     return rates
 
 
-def probe_links(channels: Channels, pace: bool, marshal: float = 0.0) -> tuple[list[float], float]:
-    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over the first server.
+def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, first: int = 0) -> tuple[list[float], float]:
+    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over server ``first``.
     ``marshal``: the device's own CPU seconds per byte sent, which the cost model counts on its own: it is
     taken out of the probe's time (on a 0.1-core camera it is half of it, and counting it twice made the
     links look 3-10x slower than their shaping)."""
     antennas = channels.cluster.device.antennas
     if pace:  # the configured bandwidth is what pacing will enforce
-        overhead = median_seconds(lambda: channels.client(0, 0).echo(1), runs=5)
+        overhead = median_seconds(lambda: channels.client(first, 0).echo(1), runs=5)
         return [a.bandwidth * 1e6 / 8 for a in antennas], overhead
     bandwidths, overheads = [], []
     for m in range(len(antennas)):
-        c = channels.client(0, m)
+        c = channels.client(first, m)
         small = median_seconds(lambda c=c: c.echo(1), runs=5)
         big = median_seconds(lambda c=c: c.echo(PROBE_BYTES), runs=3)
         transfer = big - small
@@ -130,16 +133,17 @@ def probe_links(channels: Channels, pace: bool, marshal: float = 0.0) -> tuple[l
     return bandwidths, statistics.median(overheads)
 
 
-def probe_peers(channels: Channels, log: Callable[[str], None]) -> tuple[float, float]:
-    """Server-to-server bandwidth and per-message overhead: the two first-listed servers probe each other
-    both ways (ProbePeer); (0, 0) with one server, or when a probe fails (the antennas' bandwidth is then
+def probe_peers(channels: Channels, log: Callable[[str], None], up: list[int] | None = None) -> tuple[float, float]:
+    """Server-to-server bandwidth and per-message overhead: the two first-listed servers (of ``up``) probe each
+    other both ways (ProbePeer); (0, 0) with one server, or when a probe fails (the antennas' bandwidth is then
     assumed between servers)."""
     cluster = channels.cluster
     servers = cluster.servers
-    if len(servers) < 2:
+    up = list(range(len(servers))) if up is None else up
+    if len(up) < 2:
         return 0.0, 0.0
     samples = []
-    for a, b in ((0, 1), (1, 0)):
+    for a, b in ((up[0], up[1]), (up[1], up[0])):
         try:
             small, large = while_busy(lambda a=a, b=b: channels.client(a, 0).probe_peer(
                 cluster.address_on(servers[b], 0), PEER_PROBE_BYTES))
@@ -154,9 +158,13 @@ def probe_peers(channels: Channels, log: Callable[[str], None]) -> tuple[float, 
 
 
 def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSession, x: np.ndarray,
-            reference: Cut, *, pace: bool, tag: str, log: Callable[[str], None]) -> Measurements:
+            reference: Cut, *, pace: bool, tag: str, log: Callable[[str], None],
+            up: list[int] | None = None) -> Measurements:
     """Everything setup measures (see the module doc). ``whole``: the device's session of the whole model;
-    ``x``: a blank frame of pixels; ``reference``: the cut whose head's work the servers' probe is sized by."""
+    ``x``: a blank frame of pixels; ``reference``: the cut whose head's work the servers' probe is sized by;
+    ``up``: the indices of the servers that answer (default: all; the others are measured when they come up,
+    `join_rate`)."""
+    up = list(range(len(channels.cluster.servers))) if up is None else up
     name = whole.get_inputs()[0].name
     device_rate = partitioner.total_flops / median_seconds(lambda: whole.run(None, {name: x}))
     # The probe's FLOPs run at another rate than the model's (a ResNet at 64x64 ran 5x slower per FLOP on
@@ -165,8 +173,16 @@ def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSe
     shape, flops = probe_shape(reference.head_flops)
     probe, probe_x = device_session(probe_model().SerializeToString()), np.zeros(shape, np.float32)
     ratio = device_rate / (flops / median_seconds(lambda: probe.run(None, {"x": probe_x})))
-    rates = {k: v * ratio for k, v in server_rates(channels, reference, tag).items()}
+    rates = {k: v * ratio for k, v in server_rates(channels, reference.head_flops, tag, up).items()}
     marshal = marshal_seconds_per_byte()
-    bandwidths, overhead = probe_links(channels, pace, marshal)
-    peer, peer_overhead = probe_peers(channels, log)
-    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead, marshal)
+    bandwidths, overhead = probe_links(channels, pace, marshal, up[0])
+    peer, peer_overhead = probe_peers(channels, log, up)
+    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead, marshal,
+                        reference.head_flops, ratio)
+
+
+def join_rate(channels: Channels, measured: Measurements, k: int, tag: str) -> float:
+    """The FLOP/s of server ``k``, down at setup and up now, measured as setup measured the others (the same
+    probe, at the same ratio to the model's rate)."""
+    name = channels.cluster.servers[k].name
+    return server_rates(channels, measured.probe_flops, tag, [k])[name] * measured.probe_ratio

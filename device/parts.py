@@ -101,6 +101,8 @@ class Measured:
         return r
 
     def servers(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Names of the servers not in ``exclude``, in cluster order."""
+        """Names of the measured servers not in ``exclude``, in cluster order (a server down at setup is
+        planned on once it came up and was measured: `Device.join`)."""
         skip = set(exclude)
-        return [s.name for s in self.cluster.servers if s.name not in skip]
+        measured = self.measurements.server_flops_per_second if self.measurements is not None else {}
+        return [s.name for s in self.cluster.servers if s.name not in skip and s.name in measured]

@@ -21,6 +21,10 @@ class Measurements:
     peer_bytes_per_second: float = 0.0  # server to server (ProbePeer); 0: not measured (one server)
     peer_overhead: float = 0.0
     device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal a byte it sends
+    # how a server down at setup is measured when it comes up (device.measuring.join_rate): the compute probe's
+    # FLOPs per run, and the servers' rate on the model per their rate on the probe (the device's own ratio)
+    probe_flops: float = 0.0
+    probe_ratio: float = 1.0
 
     def to_dict(self) -> dict:
         """JSON form."""

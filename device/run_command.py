@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
+    p.add_argument("--save-plan", default=None, metavar="F.json",
+                   help="write the plan the run settles on (auto: after calibration) for `deepco run --plan`")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--plan-cache", default=None, metavar="DIR",
                        help="where auto keeps the plan it settled on, so that the next start with the same servers, "
@@ -140,6 +142,13 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     chosen, rest = _plan(args, dev, cache, feed, results.emit)
     if rest is None:
         return
+    if args.save_plan:
+        from deepco_device.plan_command import save_plan
+
+        try:
+            save_plan(args.save_plan, args.model, dev.height, dev.width, chosen.plan)
+        except OSError as exc:
+            raise UserError(f"--save-plan {args.save_plan}: cannot write it ({exc.strerror or exc})") from None
     runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
@@ -255,9 +264,16 @@ class _PlanCacheUse:
         self.model = args.model
         if args.no_plan_cache or args.plan is not None or args.algorithm != "auto":
             return
-        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
+        from deepco.wire.client import ServerError
+
+        cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
         dev.load()
-        self.key = cache_key(dev, args.objective)
+        try:
+            self.key = cache_key(dev, args.objective)
+        except ServerError as exc:  # a server down: setup leaves it out, and a plan without it is not the key's
+            print(f"plan cache: not used this run: {exc}", flush=True)
+            return
+        self.cache = cache
         self.cached = self.cache.load(self.key)
         if self.cached is not None:
             c = self.cached

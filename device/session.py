@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from deepco_device.measuring import device_session, measure
+from deepco_device.measuring import device_session, join_rate, measure
 from deepco_device.parts import Links, Measured, ModelArtefacts
 from deepco_device.preprocess import Preprocessing, preprocessing_for
 from deepco_device.records import Measurements
@@ -28,9 +28,10 @@ from deepco.errors import UserError
 from deepco.partition import Cut
 from deepco.planning import paper_plans
 from deepco.planning.staged import MIN_STAGE_FLOPS, Rates, StagedPlan
-from deepco.wire.client import InferenceClient
+from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
 
+READY_SECONDS = 10.0  # how long setup waits for each server to be ready before it leaves it out
 ALGORITHMS = paper_plans.ALGORITHMS  # the paper's row plans `deepco run --algorithm` takes besides auto/local/offload
 
 
@@ -107,6 +108,38 @@ class Device:
         before it is switched on (`setup` does it if it has not been done)."""
         self.artefacts.load()
 
+    def _servers_up(self) -> list[int]:
+        """The indices of the servers that are ready (each waited for up to READY_SECONDS); the others are
+        marked down, with a line each: a run probes them and they join once they answer (device.health). A
+        UserError when none is."""
+        up = []
+        for k, server in enumerate(self.cluster.servers):
+            try:
+                self.client(k, 0).wait_ready(timeout=READY_SECONDS)
+                up.append(k)
+            except ServerError as exc:
+                self.down.add(server.name)
+                self.log(f"server {server.name} is down at setup ({exc}): left out until it answers")
+        if not up:
+            raise UserError("no server of the cluster file is ready: " + ", ".join(sorted(self.down)))
+        return up
+
+    def join(self, name: str) -> bool:
+        """Measure server ``name``, down at setup and up now, so that plans can use it; whether it is measured
+        (False: it stopped answering meanwhile)."""
+        measured = self.measured
+        if name in measured.server_flops_per_second:
+            return True
+        k = next(k for k, s in enumerate(self.cluster.servers) if s.name == name)
+        try:
+            rate = join_rate(self.pool, measured, k, self.tag)
+        except ServerError as exc:
+            self.log(f"server {name} answers but could not be measured: {exc}")
+            return False
+        measured.server_flops_per_second[name] = rate
+        self.log(f"server {name} measured on joining: {rate / 1e9:.2f} GFLOP/s")
+        return True
+
     def setup(self, rows: bool = True) -> StagedPlan | None:
         """Load and measure; with ``rows`` also plan ``algorithm`` the paper's way (printed through ``log``)
         and return that plan. ``rows=False`` stops after measuring: the staged planner (device/planner.py)
@@ -118,13 +151,12 @@ class Device:
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
         if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
             cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
-        for k in range(len(self.cluster.servers)):
-            self.client(k, 0).wait_ready(timeout=10.0)
+        up = self._servers_up()
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = device_session(self.model.SerializeToString())
         reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
         self.measurements.measurements = measure(self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag,
-                                                 log=self.log)
+                                                 log=self.log, up=up)
         if not rows:
             return None
         self.plan = self.paper_plan(self.algorithm, cut=None if self.cut_spec == "auto" else self.cut_spec)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -170,3 +171,64 @@ def test_a_plan_whose_models_are_loaded_is_warm_costs_no_upload_and_is_tried_fir
     for margin, want in ((1e6, plan), (0.0, ranked[0])):
         adapt = Adaptation(dev, lambda down, r: ranked, margin=margin, warm=lambda p: p is plan)
         assert adapt.choose(ranked, rates) == (want, want is plan)
+
+
+def test_a_server_down_at_setup_is_measured_when_it_comes_up_and_joins_through_a_trial(partition_zoo, monkeypatch):
+    """`server-join`: setup leaves out a server that does not answer (one line), plans without it, and once it
+    answers the run measures it and tries a plan with it on live frames; no frame is lost, every output exact."""
+    import socket
+
+    from deepco_device import session
+
+    monkeypatch.setattr(session, "READY_SECONDS", 0.5)
+    _, path = partition_zoo("resnet18", 0, 0)
+    with socket.socket() as s:  # a free port: the late server listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        first = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2),
+                       choose_runtime("cpu", 1))
+        stack.callback(first.stop, 1)
+        cluster = parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
+                                 "servers": [{"name": "s0", "capacity": 1.0, "address": first.address},
+                                             {"name": "s1", "capacity": 1.0, "address": f"127.0.0.1:{port}"}]})
+        lines: list[str] = []
+        dev = stack.enter_context(Device(cluster, path, H, W, log=lines.append))
+        dev.setup(rows=False)
+        assert dev.down == {"s1"} and any(line.startswith("server s1 is down at setup") for line in lines)
+        planner = StagedPlanner(dev)
+        assert planner.servers() == ["s0"] and "s1" not in dev.measured.server_flops_per_second
+        runner = StagedRunner(dev, planner.best())
+        adapt = Adaptation(dev, lambda down, rates: planner.plans("latency", exclude=down, rates=rates))
+        frames: dict[int, np.ndarray] = {}
+
+        def decided() -> list[str]:
+            """What live adaptation made of s1's joining: a plan with it tried (switched to or not), or none
+            better planned (an event, not a line)."""
+            tried = [line for line in lines if line.startswith(("switch: ", "kept ")) and "s1 back" in line]
+            return tried + [e["why"] for e in dev.events if e["event"] == "kept" and "s1 back" in e["why"]]
+
+        def source() -> Iterator[np.ndarray]:
+            """Frames until live adaptation has decided on s1 (or a minute has passed: then the test fails)."""
+            deadline = time.monotonic() + 60
+            for k in itertools.count():
+                if time.monotonic() > deadline:
+                    return
+                if k == 3:
+                    late = Server(ServeConfig(port=port, device="cpu", threads=1, max_models=32, max_inflight=2),
+                                  choose_runtime("cpu", 1))
+                    stack.callback(late.stop, 1)
+                if decided():
+                    return
+                frames[k] = pixels(k)
+                yield frames[k]
+
+        results = list(runner.run_frames(source(), depth=2, replan=lambda down: planner.best(exclude=down),
+                                         adapt=adapt))
+    assert any(line.startswith("server s1 measured on joining") for line in lines), lines
+    assert "server s1 is back" in lines and dev.measured.server_flops_per_second["s1"] > 0
+    assert len(decided()) == 1, (lines, dev.events)
+    assert [r.index for r in results] == list(range(len(frames)))
+    reference = whole_model(dev)
+    for r in results:
+        assert r.error is None and exact(reference(frames[r.index]), r.output), r.index

@@ -389,8 +389,29 @@ class Testbed:
                 (group / "cpu.weight").write_text(str(CPU_WEIGHT_V2))
 
     # -- processes ---------------------------------------------------------------------------------------
-    def spawn(self, argv: list[str], *, server: int | None = None, **popen) -> subprocess.Popen:
-        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device's.
+    def add_device(self, name: str) -> str:
+        """A second device's cgroup (``dev-NAME``), with the device's CPU share: it runs in the device's namespace,
+        so it shares the antennas (one radio cell), but not the first device's CPU. Its group for `spawn`."""
+        if self.kernel:
+            self._make_cgroup(f"dev-{name}", self.spec.device_cpu)
+        return f"dev-{name}"
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """Stop one process `spawn` started (e.g. a server going down mid-run)."""
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc in self.processes:
+            self.processes.remove(proc)
+
+    def spawn(self, argv: list[str], *, server: int | None = None, group: str | None = None,
+              **popen) -> subprocess.Popen:
+        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device's (``group``: the
+        cgroup `add_device` made for a second device).
 
         In fallback mode it runs here, niced in proportion to the server's CPU share.
         """
@@ -400,7 +421,7 @@ class Testbed:
             cmd = ["nice", "-n", str(nice), *argv] if nice else list(argv)
         else:
             # Join the cgroup before exec so that no instruction runs outside the quota.
-            who, ns = ("dev", self.device_ns) if server is None else (f"s{server}", self.server_ns(server))
+            who, ns = (group or "dev", self.device_ns) if server is None else (f"s{server}", self.server_ns(server))
             procs = self._cgroup(who) / "cgroup.procs"
             cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", "ip", "netns", "exec", ns, *argv]
         proc = subprocess.Popen(cmd, **popen)
