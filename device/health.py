@@ -179,7 +179,7 @@ class Health:
                                        "at": time.perf_counter()})
             self._consider(", ".join(c.describe() for c in changes))
 
-    def _consider(self, why: str, margin: float | None = None) -> None:
+    def _consider(self, why: str, margin: float | None = None, quick: bool = True) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
         for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
         once its models are on the servers."""
@@ -190,7 +190,7 @@ class Health:
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
-        self.background(self._propose, running, down, why, margin)
+        self.background(self._propose, running, down, why, margin, quick)
 
     def _next(self) -> None:
         """A trial was decided (or none made): the servers that came back meanwhile are tried now."""
@@ -199,11 +199,11 @@ class Health:
         if why is not None:
             self._consider(why, margin=-math.inf)
 
-    def _propose(self, running, down: set[str], why: str, margin: float | None) -> None:
+    def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
         trial = None
         try:
-            trial = self.adapt.candidate(running.plan, down, why, margin)
+            trial = self.adapt.candidate(running.plan, down, why, margin, quick)
             if trial is not None:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
@@ -232,6 +232,7 @@ class Health:
             if switched:
                 self.runner = trial.runner
         if switched:
+            self.adapt.known.append(old.plan)  # its models stay on the servers: a way back without uploads
             self.adapt.live.restart()  # the new plan's samples have a bias of their own
             self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
                                        "why": trial.why, "at": time.perf_counter()})
@@ -241,6 +242,8 @@ class Health:
             self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
                             f"{trial.verdict()}")
             trial.runner.close()
+        if trial.cause:  # a quick trial (a plan already on the servers): now the search for the best
+            self._consider(trial.cause, quick=False)
         self._next()
 
     def _abandon(self, runner, exc: ServerError) -> bool:

@@ -336,7 +336,8 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
         per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if objective == "throughput" \
             else None  # else the predicted latency
         adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates),
-                           seconds=per_frame, warm=lambda p: warm(dev, p))
+                           seconds=per_frame, warm=lambda p: warm(dev, p),
+                           known=[r.plan for r in planner.standby])
     return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
 
 

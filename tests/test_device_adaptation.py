@@ -232,3 +232,28 @@ def test_a_server_down_at_setup_is_measured_when_it_comes_up_and_joins_through_a
     reference = whole_model(dev)
     for r in results:
         assert r.error is None and exact(reference(frames[r.index]), r.output), r.index
+
+
+def test_a_plan_already_on_the_servers_is_tried_at_once_without_a_search_and_the_search_follows(cluster_of_two):
+    """On a change point, a known plan whose models are held and that the current rates predict faster is
+    tried at once (a weak camera's search takes seconds while frames run slow); its trial asks for the search
+    after it, which runs only then."""
+    dev, _ = cluster_of_two
+    planner = StagedPlanner(dev)
+    ranked = planner.plans("latency")
+    running, fast = ranked[-1], ranked[0]
+    searched = []
+
+    def propose(down, rates):
+        searched.append(set(down))
+        return ranked
+
+    adapt = Adaptation(dev, propose, warm=lambda p: True, known=[fast, running])
+    trial = adapt.candidate(running, set(), "server s0 4.00x slower")
+    assert trial.plan is fast and trial.cause == "server s0 4.00x slower" and searched == []
+    assert "its models on the servers already" in trial.why
+    Adaptation(dev, propose, warm=lambda p: True, known=[running]).candidate(running, set(), "x")
+    assert searched == [set()]  # no other plan known: the search
+    searched.clear()
+    after = adapt.candidate(fast, set(), trial.cause, quick=False)
+    assert searched == [set()] and (after is None or after.cause == "")
