@@ -15,9 +15,10 @@ One run of `deepco run --algorithm auto` (live adaptation on) streams the frames
 device namespace, one in flight. Its first frames calibrate (live calibration: they are results too); once
 ``--phase-frames`` frames after calibration are logged the change is applied, and the run goes on for at least
 as many frames again. Then, under each phase's conditions in turn (the change applied, then undone): every
-static plan (`STATICS`: local, offload, round-robin and auto's first-phase plan kept fixed, `deepco run --plan`)
-on ``--static-frames`` frames, and a fresh `deepco run --algorithm auto` (a new setup and calibration) whose
-frames after calibration give that phase's reference. Per phase: auto's p50 and p95 (the first phase's after
+static plan (`STATICS`: local, offload and round-robin side by side on one setup, as `deepco bench` measures
+them; auto's first-phase plan kept fixed, `deepco run --plan`) on ``--static-frames`` frames, and a fresh
+`deepco run --algorithm auto` (a new setup and calibration) whose frames after calibration give that phase's
+reference. Per phase: auto's p50 and p95 (the first phase's after
 calibration), the statics' and the fresh setup's, frames lost (missing, failed or out of order), every output's
 error against the whole model; and the frames until adapted: the first frame after the change from which the
 p50 of every 10 consecutive frames stays within 15% of the fresh setup's p50 under the new conditions.
@@ -143,6 +144,21 @@ class Runs:
         proc, log = self.start(name, self.args.static_frames + 2, *how)
         return _stats(self.finish(proc, log)[2:])
 
+    def side_by_side(self, name: str, algorithms: list[str]) -> dict:
+        """``algorithms`` (of local, offload, round-robin) measured by `deepco bench`'s device side on one setup,
+        frames interleaved, ``--static-frames`` each (deepco_bench.benchmark); p50 and p95 of each."""
+        out = self.workdir / f"{name}.json"
+        argv = [sys.executable, "-m", "deepco_bench.benchmark", "--cluster", str(self.cluster), "--model",
+                self.args.model, "--input-size", self.args.input_size, "--algorithms", ",".join(algorithms),
+                "--frames", str(self.args.static_frames), "--fps-frames", "0", "--out", str(out)]
+        with (self.workdir / f"{name}.out").open("w") as printed:
+            proc = self.tb.spawn(argv, stdout=printed, stderr=subprocess.STDOUT)
+        if proc.wait(timeout=self.args.timeout) != 0:
+            raise UserError(f"scenario: {name} failed: {(self.workdir / f'{name}.out').read_text().strip()[-400:]}")
+        measured = json.loads(out.read_text())["algorithms"]
+        return {a: {"frames": measured[a]["frames"], "failed": 0, "p50": measured[a]["p50"], "p95": measured[a]["p95"],
+                    "max_relative_error": measured[a]["max_relative_error"]} for a in algorithms}
+
 
 def _stats(records: list[dict]) -> dict:
     latencies = [r["latency"] for r in records if r["error"] is None]
@@ -157,10 +173,6 @@ class Conditions:
 
     def __init__(self, tb: Testbed, args: argparse.Namespace, shares: list[float], servers: list):
         self.tb, self.args, self.shares, self.servers = tb, args, shares, servers
-
-    def up(self) -> list[str]:
-        """The servers that run now (round-robin deals frames to them)."""
-        return [s.name for s, proc in zip(self.tb.spec.servers, self.servers, strict=True) if proc is not None]
 
     def begin(self) -> None:
         pass
@@ -356,29 +368,12 @@ def _phases(runs: Runs, cond: Conditions, auto_plan: Path) -> dict:
     for phase in ("after", "before"):
         if phase == "before":
             cond.undo()
-        out[phase] = {name: runs.static(f"{phase}-{name}", _static_flags(runs, name, cond.up(), auto_plan))
-                      for name in STATICS if runs.args.static_frames > 0}
+        out[phase] = {}
+        if runs.args.static_frames > 0:  # local, offload (the best server) and round-robin (over the servers up)
+            out[phase] = runs.side_by_side(f"{phase}-statics", list(STATICS[:3]))
+            out[phase]["auto-fixed"] = runs.static(f"{phase}-auto-fixed", ["--plan", str(auto_plan)])
         out[phase]["fresh"] = runs.fresh(f"{phase}-fresh")
     return out
-
-
-def _static_flags(runs: Runs, name: str, up: list[str], auto_plan: Path) -> list[str]:
-    """`deepco run`'s flags for the static plan ``name`` (round-robin: a plan file dealing frames to the servers
-    ``up``; auto-fixed: auto's first-phase plan, as the scenario's run saved it)."""
-    if name in ("local", "offload"):
-        return ["--algorithm", name]
-    if name == "auto-fixed":
-        return ["--plan", str(auto_plan)]
-    from deepco.parsing import parse_size
-    from deepco.planning.staged import StagedPlan
-
-    antennas = runs.args.antennas
-    plan = StagedPlan("round-robin", "round-robin", servers=up, antennas=[k % antennas for k in range(len(up))],
-                      order=[0] * len(up))
-    path = runs.workdir / "round-robin-plan.json"
-    path.write_text(json.dumps({"model": runs.args.model, "input_size": list(parse_size(runs.args.input_size)),
-                                "plan": plan.to_dict()}))
-    return ["--plan", str(path)]
 
 
 def _switch_frames(out: str) -> list[dict]:
