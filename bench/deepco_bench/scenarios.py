@@ -347,7 +347,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
     if proc.poll() is not None or calibrated is None:
         runs.finish(proc, log)
         raise UserError(f"scenario: the run ended before its first phase: {runs.printed(log).strip()[-400:]}")
-    changed = cond.change(before, runs)
+    changed = cond.change(before[calibrated:], runs)  # the plan auto settled on, not calibration's trials
     split = len(before)  # the frames logged before the change (the log is written frame by frame)
     print(f"after frame {split - 1}: {changed}", flush=True)
     records = runs.finish(proc, log)
