@@ -54,7 +54,9 @@ class Health:
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
         self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
-        self.down: set[str] = set(device.down)  # a server down at setup is probed and joins like one back
+        # a server down since setup (never measured) is probed and joins like one that came back
+        measured = getattr(getattr(device, "measured", None), "server_flops_per_second", {})
+        self.down: set[str] = {name for name in device.down if name not in measured}
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
         self._replanning = threading.Lock()  # one replan at a time (it may upload models)
