@@ -12,6 +12,9 @@ from deepco.errors import UserError
 # ASCII digits only: str.isdigit() and int() also take '²' or '٣' or '1_000', which no one means in a size or a port.
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
 _PORT = re.compile(r"[0-9]{1,5}")
+# --input-size's help, the same for every command that takes it (deepco.partition.source.input_size reads it)
+SIZE_HELP = ("input height x width, e.g. 224x224; default: a fixed-size model's own size (a model of dynamic size, "
+             "as the zoo's are, needs it)")
 
 
 def parse_size(text: str) -> tuple[int, int]:

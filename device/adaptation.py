@@ -87,9 +87,8 @@ class Trial:
         return statistics.median(self.tried) < statistics.median(self.running)
 
     def verdict(self) -> str:
-        """E.g. ``12.0 ms against 20.1 ms over 3 frames each``."""
-        return (f"{statistics.median(self.tried) * 1e3:.1f} ms against {statistics.median(self.running) * 1e3:.1f} ms "
-                f"over {len(self.tried)} frames each")
+        """E.g. ``12.0 vs 20.1 ms`` (medians of the frames each ran)."""
+        return f"{statistics.median(self.tried) * 1e3:.1f} vs {statistics.median(self.running) * 1e3:.1f} ms"
 
 
 class Adaptation:
@@ -165,7 +164,7 @@ class Adaptation:
             fast = self.quick(running, down, rates)
             if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
                 new = self.seconds(fast, rates)
-                return Trial(fast, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms (its models on "
+                return Trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
                                    "the servers already)", self.frames, cause=why)
         plan, held = self.choose(self.propose(down, rates), rates)
         if same_plan(plan.to_dict(), running.to_dict()):
@@ -173,7 +172,7 @@ class Adaptation:
         new = self.seconds(plan, rates)
         if new >= now * (1 - margin):
             return None
-        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} ms against {now * 1e3:.1f} ms"
+        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
                            f"{'' if held else '; its models uploaded first'}", self.frames)
 
     def quick(self, running: StagedPlan, down: set[str], rates: Rates) -> StagedPlan | None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import grpc
+
 from deepco.cluster import Cluster
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.security import ChannelSecurity
+
+REACH_SECONDS = 10.0  # how long the start waits for a server when none is ready yet
+REACH_GRACE = 2.0  # and for the others once one is: a server that is down delays the start by this much
 
 
 class Channels:
@@ -36,6 +44,45 @@ class Channels:
             return self.client(server, 0).server_ready(timeout=1.0)
         except ServerError:
             return False
+
+    def reach(self, timeout: float = REACH_SECONDS, grace: float = REACH_GRACE) -> dict[str, str]:
+        """Wait for the servers to be ready, all at once: until every one is, or ``grace`` seconds after the
+        first one is, or ``timeout`` seconds in all. Returns why each server that is not ready is not (e.g.
+        'connection refused'), by name; {} when all are. Servers started together with the device get
+        ``grace`` to come up; one that is down delays the start by ``grace``, not ``timeout``."""
+        names = [s.name for s in self.cluster.servers]
+        futures = {name: grpc.channel_ready_future(self.client(name, 0).channel) for name in names}
+        changed = threading.Condition()
+
+        def done(_: grpc.Future) -> None:
+            with changed:
+                changed.notify_all()
+
+        for future in futures.values():
+            future.add_done_callback(done)
+        start = time.monotonic()
+        first = None
+        with changed:
+            while True:
+                connected = [n for n, f in futures.items() if f.done() and not f.cancelled()]
+                if first is None and connected:
+                    first = time.monotonic()
+                end = start + timeout if first is None else min(start + timeout, first + grace)
+                if len(connected) == len(names) or time.monotonic() >= end:
+                    break
+                changed.wait(end - time.monotonic())
+        for future in futures.values():
+            future.cancel()
+        return {name: why for name in names if (why := self._not_ready(name)) is not None}
+
+    def _not_ready(self, name: str) -> str | None:
+        """None when ``name`` says it is ready, else why not in a few words (the call fails at once on a
+        channel that could not connect: its error says why)."""
+        try:
+            return None if self.client(name, 0).server_ready(timeout=1.0) else "not ready"
+        except ServerError as exc:
+            details = f"{exc.code.name}: {exc.details}"
+            return "connection refused" if "connection refused" in details.lower() else details
 
     def bytes_sent(self) -> int:
         """Request bytes sent to the servers over every channel opened so far (closed ones not counted)."""

@@ -78,6 +78,30 @@ class Feed:
         return []
 
 
+class TakenFeed(Feed):
+    """``feed``, remembering the index of every frame it handed out (to calibration or to the pipeline): when
+    the run is interrupted, those without a result yet are the frames in flight, reported as cancelled."""
+
+    def __init__(self, feed: Feed):
+        self.feed = feed
+        self.taken: set[int] = set()
+
+    def take(self, timeout: float) -> Frame | None:
+        frame = self.feed.take(timeout)
+        if frame is not None:
+            self.taken.add(frame.index)
+        return frame
+
+    def wake(self) -> None:
+        self.feed.wake()
+
+    def close(self) -> None:
+        self.feed.close()
+
+    def drops(self) -> list[Dropped]:
+        return self.feed.drops()
+
+
 class IterFeed(Feed):
     """Frames from an iterable, taken one by one when the pipeline has room; ``prepare`` turns each into the
     pixels the runners take. A frame is captured when it is read."""

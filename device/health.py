@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from deepco_device.adaptation import Adaptation, Trial
@@ -48,15 +48,15 @@ class Health:
 
     def __init__(self, device, runner, make: Callable[[StagedPlan], Any],
                  replan: Callable[[set[str]], StagedPlan] | None, ready: Callable[[str], bool],
-                 server_at: Callable[[str], str | None], adapt: Adaptation | None = None):
+                 server_at: Callable[[str], str | None], adapt: Adaptation | None = None, *,
+                 unreached: Iterable[str] = (), measure: Callable[[str], None] | None = None):
         self.device, self.runner, self.make, self.replan = device, runner, make, replan
         self.ready, self.server_at, self.adapt = ready, server_at, adapt
+        self.measure = measure  # measures a server down since the start before it rejoins (it has no rate yet)
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
         self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
-        # a server down since setup (never measured) is probed and joins like one that came back
-        measured = getattr(getattr(device, "measured", None), "server_flops_per_second", {})
-        self.down: set[str] = {name for name in device.down if name not in measured}
+        self.down: set[str] = set(unreached)  # down at the start: probed and rejoin like any other
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
         self._replanning = threading.Lock()  # one replan at a time (it may upload models)
@@ -115,7 +115,7 @@ class Health:
             self.device.events.append({"event": "down", "server": server, "at": detected, "why": why,
                                        "replanned_in": took})
             self.device.log(f"server {server} down ({why}){good}; replanned in {took * 1e3:.1f} ms: "
-                            f"{new.plan.describe()}")
+                            f"{new.plan.brief()}")
         return None
 
     def rejoin(self) -> None:
@@ -127,8 +127,6 @@ class Health:
                 return
             self._probed = time.monotonic()
             candidates = sorted(self.down - self.liars)
-        # a server down since setup is measured first (plans use a server only once its rate is known): here,
-        # once, so that a trial under way cannot make the run forget it
         back = [s for s in candidates if self.ready(s) and self._measured(s)]
         if not back:
             return
@@ -149,16 +147,23 @@ class Health:
         for name in back:
             self.device.events.append({"event": "up", "server": name, "at": time.perf_counter()})
             if self.adapt is None:
-                self.device.log(f"server {name} is back; replanned: {new.plan.describe()}")
+                self.device.log(f"server {name} is back; replanned: {new.plan.brief()}")
             else:
                 self.device.log(f"server {name} is back")
         if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
             self._consider(f"{', '.join(back)} back", margin=-math.inf)
 
-    def _measured(self, name: str) -> bool:
-        """Whether server ``name`` is measured, measuring it if setup could not (it was down then)."""
-        join = getattr(self.device, "join", None)
-        return join is None or join(name)
+    def _measured(self, server: str) -> bool:
+        """Whether ``server``, which answers again, can be planned on: one down since the start is measured
+        first (a failure is one line, and it is probed again later)."""
+        if self.measure is None:
+            return True
+        try:
+            self.measure(server)
+        except UserError as err:  # ServerError included
+            self.device.log(f"server {server} answers but could not be measured: {err}")
+            return False
+        return True
 
     def observe(self, runner, timing: FrameTiming) -> None:
         """Live adaptation: feed a successful frame's timing. A frame of the running plan feeds the live rates
@@ -210,7 +215,7 @@ class Health:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
             what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
-            self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.describe()}: {what}" if trial
+            self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.brief()}: {what}" if trial
                                                      else f"no plan: {what}"))
             trial = None
         if trial is None:  # not a line: on a busy machine change points come often, and nothing changes
@@ -238,10 +243,10 @@ class Health:
             self.adapt.live.restart()  # the new plan's samples have a bias of their own
             self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
                                        "why": trial.why, "at": time.perf_counter()})
-            self.device.log(f"switch: from {old.plan.describe()} to {trial.plan.describe()}: {trial.why}; "
-                            f"measured {trial.verdict()}")
+            self.device.log(f"switch: {old.plan.brief()} -> {trial.plan.brief()}: {trial.why}; measured "
+                            f"{trial.verdict()}")
         else:
-            self.device.log(f"kept {old.plan.describe()}: tried {trial.plan.describe()} ({trial.why}), measured "
+            self.device.log(f"kept {old.plan.brief()}: tried {trial.plan.brief()} ({trial.why}); measured "
                             f"{trial.verdict()}")
             trial.runner.close()
         if trial.cause:  # a quick trial (a plan already on the servers): now the search for the best
@@ -255,7 +260,7 @@ class Health:
             if trial is None or trial.runner is not runner:
                 return False
             self.trial = None
-        self.device.log(f"adapt: the trial of {trial.plan.describe()} failed ({exc}); kept the running plan")
+        self.device.log(f"adapt: the trial of {trial.plan.brief()} failed ({exc}); kept the running plan")
         self._next()
         return True
 

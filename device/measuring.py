@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 import onnx
@@ -51,13 +51,36 @@ def median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
     return statistics.median(while_busy(timed) for _ in range(runs))
 
 
+SUSTAINED_SECONDS = 0.3  # a timed probe's calls, back to back: many periods of any CPU quota (10-100 ms)
+SUSTAINED_MAX_RUNS = 200
+
+
+def runs_for(seconds_per_run: float) -> int:
+    """Calls of ``seconds_per_run`` each that together last ``SUSTAINED_SECONDS`` (3 to ``SUSTAINED_MAX_RUNS``)."""
+    return max(3, min(SUSTAINED_MAX_RUNS, math.ceil(SUSTAINED_SECONDS / max(seconds_per_run, 1e-6))))
+
+
+def sustained_seconds(fn: Callable[[], object]) -> float:
+    """Seconds per call of ``fn``, called back to back for about ``SUSTAINED_SECONDS`` in all. Under a CPU
+    quota a call shorter than the quota's period can run unthrottled, so the median of a few short calls is the
+    core's burst speed, not the share the process gets: on the camera preset a 5 ms probe on a 0.45-core
+    server measured it 2.75x too fast. The mean over many periods is the sustained speed."""
+    start = time.perf_counter()
+    fn()
+    runs = runs_for(time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(runs):
+        fn()
+    return (time.perf_counter() - start) / runs
+
+
 def marshal_seconds_per_byte(nbytes: int = 1 << 20) -> float:
     """The device's own CPU time to encode and serialise one byte of a request (measured here, so under the
     device's CPU share): a weak camera pays it for every slice it sends."""
     from deepco.wire.tensors import encode_request
 
     x = np.zeros((1, 1, 1, nbytes), np.uint8)
-    return median_seconds(lambda: encode_request("probe", {"x": x}).SerializeToString(), runs=5) / nbytes
+    return sustained_seconds(lambda: encode_request("probe", {"x": x}).SerializeToString()) / nbytes
 
 
 PROBE_CHANNELS = 64  # a ResNet's first stage: the probe's convolutions run at a real CNN's FLOP rate
@@ -93,38 +116,39 @@ def probe_shape(flops: float) -> tuple[list[int], float]:
     return [1, PROBE_CHANNELS, side, side], float(per_pixel * side * side)
 
 
-def server_rates(channels: Channels, reference_flops: float, tag: str,
-                 up: list[int] | None = None) -> dict[str, float]:
-    """FLOP/s of every server (``up``: those of these indices) on the compute probe (`probe_model`), sized
-    like the head up to the reference cut (``reference_flops``, at most ``PROBE_FLOPS``); uploaded under a
-    name of its own, since other devices may probe the same servers, and unloaded again."""
+def server_rates(channels: Channels, reference: Cut, tag: str, skip: Collection[str] = ()) -> dict[str, float]:
+    """FLOP/s of every server (but those in ``skip``) on the compute probe (`probe_model`), sized like the head
+    up to ``reference`` (at most ``PROBE_FLOPS``); uploaded under a name of its own, since other devices may
+    probe the same servers, and unloaded again."""
     data = probe_model().SerializeToString()
-    shape, flops = probe_shape(reference_flops)
+    shape, flops = probe_shape(reference.head_flops)
     name = f"{tag}-probe-{uuid.uuid4().hex[:8]}"
     rates = {}
     for k, srv in enumerate(channels.cluster.servers):
-        if up is not None and k not in up:
+        if srv.name in skip:
             continue
         c = channels.client(k, 0)
         load_with_room(c, data, name)  # a full server is one line at once, not a minute's wait
-        seconds = while_busy(lambda c=c: c.profile(name, shape, runs=3, warmup=1).seconds)
-        rates[srv.name] = flops / seconds
+        first = while_busy(lambda c=c: c.profile(name, shape, runs=3, warmup=1).seconds)
+        runs = runs_for(first)
+        timed = while_busy(lambda c=c, runs=runs: c.profile(name, shape, runs=runs, warmup=0).run_seconds)
+        rates[srv.name] = flops * len(timed) / sum(timed)  # the mean: see sustained_seconds
         while_busy(lambda c=c: c.unload_model(name))
     return rates
 
 
-def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, first: int = 0) -> tuple[list[float], float]:
-    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over server ``first``.
+def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, server: int = 0) -> tuple[list[float], float]:
+    """Each antenna's bandwidth (bytes/s) and the per-request overhead (s), over ``server`` (the first one up).
     ``marshal``: the device's own CPU seconds per byte sent, which the cost model counts on its own: it is
     taken out of the probe's time (on a 0.1-core camera it is half of it, and counting it twice made the
     links look 3-10x slower than their shaping)."""
     antennas = channels.cluster.device.antennas
     if pace:  # the configured bandwidth is what pacing will enforce
-        overhead = median_seconds(lambda: channels.client(first, 0).echo(1), runs=5)
+        overhead = median_seconds(lambda: channels.client(server, 0).echo(1), runs=5)
         return [a.bandwidth * 1e6 / 8 for a in antennas], overhead
     bandwidths, overheads = [], []
     for m in range(len(antennas)):
-        c = channels.client(first, m)
+        c = channels.client(server, m)
         small = median_seconds(lambda c=c: c.echo(1), runs=5)
         big = median_seconds(lambda c=c: c.echo(PROBE_BYTES), runs=3)
         transfer = big - small
@@ -134,9 +158,9 @@ def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, first: int
 
 
 def probe_peers(channels: Channels, log: Callable[[str], None], up: list[int] | None = None) -> tuple[float, float]:
-    """Server-to-server bandwidth and per-message overhead: the two first-listed servers (of ``up``) probe each
-    other both ways (ProbePeer); (0, 0) with one server, or when a probe fails (the antennas' bandwidth is then
-    assumed between servers)."""
+    """Server-to-server bandwidth and per-message overhead: the two first-listed servers of ``up`` (indices;
+    default all) probe each other both ways (ProbePeer); (0, 0) with one server, or when a probe fails (the
+    antennas' bandwidth is then assumed between servers)."""
     cluster = channels.cluster
     servers = cluster.servers
     up = list(range(len(servers))) if up is None else up
@@ -159,30 +183,27 @@ def probe_peers(channels: Channels, log: Callable[[str], None], up: list[int] | 
 
 def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSession, x: np.ndarray,
             reference: Cut, *, pace: bool, tag: str, log: Callable[[str], None],
-            up: list[int] | None = None) -> Measurements:
-    """Everything setup measures (see the module doc). ``whole``: the device's session of the whole model;
-    ``x``: a blank frame of pixels; ``reference``: the cut whose head's work the servers' probe is sized by;
-    ``up``: the indices of the servers that answer (default: all; the others are measured when they come up,
-    `join_rate`)."""
-    up = list(range(len(channels.cluster.servers))) if up is None else up
+            skip: Collection[str] = (), step: Callable[[str], None] = lambda what: None) -> tuple[Measurements, float]:
+    """Everything setup measures (see the module doc), on the servers not in ``skip`` (down at the start); and
+    the ratio of the device's speed on the model to its speed on the probe, by which a server's probe rate
+    becomes its rate on the model (`server_rates` times it: a server that joins later is measured so too).
+    ``whole``: the device's session of the whole model; ``x``: a blank frame of pixels; ``reference``: the cut
+    whose head's work the servers' probe is sized by."""
     name = whole.get_inputs()[0].name
+    step("measuring the device")
     device_rate = partitioner.total_flops / median_seconds(lambda: whole.run(None, {name: x}))
     # The probe's FLOPs run at another rate than the model's (a ResNet at 64x64 ran 5x slower per FLOP on
     # these servers than the probe): the device times the probe too, and takes the servers' rates on the model
     # to be theirs on the probe at its own ratio (calibration fits what remains: the compute scale).
     shape, flops = probe_shape(reference.head_flops)
     probe, probe_x = device_session(probe_model().SerializeToString()), np.zeros(shape, np.float32)
-    ratio = device_rate / (flops / median_seconds(lambda: probe.run(None, {"x": probe_x})))
-    rates = {k: v * ratio for k, v in server_rates(channels, reference.head_flops, tag, up).items()}
+    ratio = device_rate / (flops / sustained_seconds(lambda: probe.run(None, {"x": probe_x})))
+    step("measuring the servers")
+    rates = {k: v * ratio for k, v in server_rates(channels, reference, tag, skip).items()}
     marshal = marshal_seconds_per_byte()
+    up = [k for k, srv in enumerate(channels.cluster.servers) if srv.name not in skip]
+    step("measuring the antennas")
     bandwidths, overhead = probe_links(channels, pace, marshal, up[0])
+    step("measuring server to server")
     peer, peer_overhead = probe_peers(channels, log, up)
-    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead, marshal,
-                        reference.head_flops, ratio)
-
-
-def join_rate(channels: Channels, measured: Measurements, k: int, tag: str) -> float:
-    """The FLOP/s of server ``k``, down at setup and up now, measured as setup measured the others (the same
-    probe, at the same ratio to the model's rate)."""
-    name = channels.cluster.servers[k].name
-    return server_rates(channels, measured.probe_flops, tag, [k])[name] * measured.probe_ratio
+    return Measurements(rates, bandwidths, overhead, device_rate, pace, peer, peer_overhead, marshal), ratio

@@ -14,8 +14,10 @@ from deepco_device.preprocess import Preprocessing
 from deepco_device.records import Measurements
 
 from deepco.cluster import Cluster
+from deepco.errors import UserError
 from deepco.modelcard import check_input
 from deepco.partition import Partitioner, load_model
+from deepco.partition.graph import model_size_problem
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning.calibration import with_compute_scale
 from deepco.planning.staged import CostModel, Rates
@@ -44,6 +46,9 @@ class ModelArtefacts:
         self.reference_model = load_model(self.spec, self.height, self.width, self.weights)
         how = self.preprocessing
         check_input(self.reference_model, how)  # a clear error before ORT sees the wrong pixels
+        problem = model_size_problem(self.reference_model, self.height, self.width)
+        if problem:
+            raise UserError(problem)
         self.model = with_pixel_input(self.reference_model, how.mean, how.std, how.scale)
         self.partitioner = Partitioner(self.model, self.height, self.width)
 
@@ -90,6 +95,9 @@ class Measured:
         self.measurements: Measurements | None = None
         self.compute_scale = 1.0
         self.step_overhead = 0.0
+        # servers down at the start, not measured: no plan counts on them until they answer and are measured
+        self.unreached: dict[str, str] = {}  # name -> why (e.g. 'connection refused')
+        self.probe_ratio = 1.0  # a server's rate on the model per FLOP/s on the probe (device.measuring.measure)
 
     def rates(self, exclude: Iterable[str] = ()) -> Rates:
         """The measured rates with the fitted compute scale and step overhead, without the servers in
@@ -101,8 +109,6 @@ class Measured:
         return r
 
     def servers(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Names of the measured servers not in ``exclude``, in cluster order (a server down at setup is
-        planned on once it came up and was measured: `Device.join`)."""
-        skip = set(exclude)
-        measured = self.measurements.server_flops_per_second if self.measurements is not None else {}
-        return [s.name for s in self.cluster.servers if s.name not in skip and s.name in measured]
+        """Names of the servers not in ``exclude`` (nor unreached at the start), in cluster order."""
+        skip = set(exclude) | set(self.unreached)
+        return [s.name for s in self.cluster.servers if s.name not in skip]

@@ -13,12 +13,13 @@ import sys
 from dataclasses import asdict
 
 from deepco_device.planner import StagedPlanner
+from deepco_device.progress import Progress
 from deepco_device.session import ALGORITHMS, Device
 
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from deepco.parsing import parse_size
+from deepco.partition.source import input_size
 from deepco.planning.staged import DEVICE, StagedPlan, split_shares
 from deepco.wire import security
 
@@ -31,21 +32,24 @@ def run(args: argparse.Namespace) -> int:
     if args.algorithm not in (*ALGORITHMS, *STAGED):
         raise UserError(f"--algorithm {args.algorithm} plans the abstract workload only; with --model choose "
                         f"one of {', '.join(ALGORITHMS)}, or the staged planner's {', '.join(STAGED)}")
-    height, width = parse_size(args.input_size)
     how = modelcard.from_args(args.model, args)
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
+    height, width = input_size(args.model, args.input_size)
     # With --json, stdout holds exactly one JSON object; progress goes to stderr.
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    progress = Progress()  # a bar on stderr while it measures and calibrates, where stderr is a terminal
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else progress.write
     staged = args.algorithm in STAGED
     with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
-                weights=args.weights, log=log, security=security.from_args(args), preprocessing=how) as dev:
+                weights=args.weights, log=log, security=security.from_args(args), preprocessing=how) as dev, progress:
+        dev.progress = progress.step
         if staged:
             dev.setup(rows=False)
             planner = StagedPlanner(dev)
             plan = planner.calibrate() if args.algorithm == "auto" else planner.named(args.algorithm)
         else:
             plan = dev.setup()
+        progress.close()  # planned: the results print below, without the bar
         if getattr(args, "save", None):
             save_plan(args.save, args.model, height, width, plan)
         if args.json:  # plan: the paper's rows; staged: the same plan as the runtime executes it

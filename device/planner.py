@@ -343,6 +343,7 @@ class _PlanRuns:
         """The latencies of ``frames`` frames of ``plan`` (after an untimed one when ``warm_up``: first runs
         allocate). Raises Unfit when a server has no room for its models."""
         key = plan_key(plan)
+        self.device.progress(f"calibrating: timing {plan.brief()}")
         runner = self._runners.get(key)
         if runner is None:
             try:

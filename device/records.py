@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepco.planning.staged import Rates
+from deepco.wire.step_times import phases_of
 
 
 @dataclass
@@ -21,10 +22,6 @@ class Measurements:
     peer_bytes_per_second: float = 0.0  # server to server (ProbePeer); 0: not measured (one server)
     peer_overhead: float = 0.0
     device_seconds_per_byte: float = 0.0  # the device's own CPU time to marshal a byte it sends
-    # how a server down at setup is measured when it comes up (device.measuring.join_rate): the compute probe's
-    # FLOPs per run, and the servers' rate on the model per their rate on the probe (the device's own ratio)
-    probe_flops: float = 0.0
-    probe_ratio: float = 1.0
 
     def to_dict(self) -> dict:
         """JSON form."""
@@ -55,17 +52,21 @@ class StepTimes:
     compute: float = 0.0
     encode: float = 0.0
     send: float = 0.0
+    wall: float = 0.0  # the step's start to its answer ready, on the server (0: not reported)
+    # the timeline: (phase, level, start, end), seconds since the step's start on the server, in order
+    phases: tuple[tuple[str, int, float, float], ...] = ()
 
     @classmethod
     def from_wire(cls, times) -> StepTimes:
         """From a ``deepco_service_pb2.StepTimes``."""
         return cls(times.input_seconds, times.halo_seconds, times.queue_seconds, times.compute_seconds,
-                   times.encode_seconds, times.send_seconds)
+                   times.encode_seconds, times.send_seconds, times.wall_seconds, phases_of(times))
 
     def to_dict(self) -> dict:
         """JSON form."""
         return {"input": self.input, "halo": self.halo, "queue": self.queue, "compute": self.compute,
-                "encode": self.encode, "send": self.send}
+                "encode": self.encode, "send": self.send, "wall": self.wall,
+                "phases": [{"phase": p, "level": level, "start": a, "end": b} for p, level, a, b in self.phases]}
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class ServerStep:
     received: float = 0.0  # the server reported its input received
     finish: float = 0.0  # its result was in
     times: StepTimes = StepTimes()
+    # the server step's start on the frame's clock, where its timeline begins: estimated as the least of when
+    # the device heard its input was received less the server's input time, and its finish less its wall time
+    origin: float = 0.0
     messages_received: int = 0
     messages_sent: int = 0
     bytes_received: int = 0
@@ -95,6 +99,7 @@ class ServerStep:
         """JSON form (the --json-log's ``staged.servers`` entries)."""
         return {"name": self.name, "antenna": self.antenna, "rows": list(self.rows), "band": list(self.band),
                 "send_start": self.send_start, "received": self.received, "finish": self.finish,
+                "origin": self.origin,
                 "compute": self.compute, "exchange_wait": self.exchange_wait, "queue": self.queue,
                 "times": self.times.to_dict(),
                 "messages_received": self.messages_received, "messages_sent": self.messages_sent,

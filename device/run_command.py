@@ -16,19 +16,22 @@ from deepco_device.giveup import GIVE_UP_AFTER, MAX_FAILED_FRAMES, GiveUp
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
-from deepco.parsing import parse_size
+from deepco.parsing import SIZE_HELP, parse_size
 from deepco.planning.staged import StagedPlan, pipelined
 from deepco.wire import security
 
 if TYPE_CHECKING:  # scipy, through calibration: not on the CLI's start
+    from deepco.planning.lean_depth import LeanDepth
     from deepco.planning.slo import SloChoice, SloWatch
+
+DEFAULT_DEPTH = 2  # frames in flight without --depth (a live source dropping late frames tries from 1 up)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `deepco run`."""
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster TOML file (server addresses)")
     p.add_argument("--model", required=True, help="zoo model name or path to an .onnx file")
-    p.add_argument("--input-size", default="224x224", metavar="HxW")
+    p.add_argument("--input-size", default=None, metavar="HxW", help=SIZE_HELP)
     p.add_argument("--source", required=True, help="camera index, video file, rtsp/http URL, image, or directory")
     p.add_argument("--frames", type=int, default=None, help="stop after N frames")
     p.add_argument("--algorithm", default="auto",
@@ -61,8 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without it the zoo's ResNets have seeded random weights and their labels are noise")
     p.add_argument("--pace", action="store_true",
                    help="EMULATE each antenna's configured bandwidth (Mbit/s) by app-level pacing")
-    p.add_argument("--depth", type=int, default=2,
-                   help="frames in flight at once (pipelining; --objective slo chooses it)")
+    p.add_argument("--depth", type=int, default=None,
+                   help=f"frames in flight at once (pipelining; default {DEFAULT_DEPTH}; --objective slo chooses "
+                        f"it; on a live source dropping late frames, without this flag, the fewest that keep the "
+                        f"measured frame rate, tried from 1 up to {DEFAULT_DEPTH})")
     p.add_argument("--drop", choices=["late", "never"], default=None,
                    help="late: a live source's frame that cannot enter yet is replaced by the next one (counted, "
                         "logged as dropped), so results stay fresh; never: every frame waits its turn. Default: "
@@ -86,20 +91,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
+    from deepco_device.feed import TakenFeed
     from deepco_device.preprocess import normalise, pixels
     from deepco_device.session import Device
     from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
-    height, width = parse_size(args.input_size)
+    from deepco.partition.source import input_size
+
+    if args.input_size is not None:
+        parse_size(args.input_size)  # a bad size fails before anything starts; a missing one once the model is read
     _check_flags(args)
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
-    drop_mode(args.source, args.drop, args.source_fps)
+    late = drop_mode(args.source, args.drop, args.source_fps) == "late"
+    # Without --depth a live source dropping late frames finds its own (LeanDepth) from 1 up to the default
+    args.lean_depth, args.depth = args.depth is None and late, args.depth or DEFAULT_DEPTH
     cluster = load_cluster(args.cluster)
     cluster.require_addresses()
     if args.pace:
         cluster.require_bandwidths("--pace (each antenna's bandwidth in Mbit/s)")
     first_frame_check(args.source)  # a bad source fails before any server is touched
     how = modelcard.from_args(args.model, args)
+    height, width = input_size(args.model, args.input_size)
     results = Results(args, Shown(how.output, args.output_dir))
 
     def prepare(frame: np.ndarray) -> np.ndarray:
@@ -110,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         staged = args.plan is not None or args.algorithm in ("auto", "local", "offload")
         with Device(cluster, args.model, height, width, algorithm="thread" if staged else args.algorithm, cut=args.cut,
-                    weights=args.weights, pace=args.pace, depth=args.depth,
-                    log=lambda line: print(line, flush=True), security=security.from_args(args),
-                    preprocessing=how) as dev:
+                    weights=args.weights, pace=args.pace, depth=args.depth, log=results.progress.write,
+                    security=security.from_args(args), preprocessing=how) as dev:
+            dev.progress = results.progress.step
+            results.report.events = dev.events  # logged with the frames (--json-log)
             cache = _PlanCacheUse(args, dev) if staged else None
             if cache is None or cache.cached is None:
                 dev.setup(rows=not staged)
@@ -121,14 +134,19 @@ def run(args: argparse.Namespace) -> int:
             if results.shown.noise:
                 print(f"note: {args.model} has seeded random weights, so its labels are noise; give --weights "
                       "STATE_DICT for real ones", flush=True)
-            feed = open_feed(args.source, args.frames, args.drop, args.source_fps, prepare)
+            feed = TakenFeed(open_feed(args.source, args.frames, args.drop, args.source_fps, prepare))
             try:
                 results.start()
                 _run_frames(args, dev, cache, feed, results, give_up)
+            except KeyboardInterrupt:  # the CLI exits 130; first, what was done and what was cancelled
+                results.report.interrupted(feed.taken, args.quiet)
+                raise
             finally:
                 feed.close()
             results.report.finish()
+            results.report.log_events()
     finally:
+        results.progress.close()
         results.close()
     return results.finish(how.channels, height, width)
 
@@ -140,6 +158,7 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     from deepco_device.runners import StagedRunner
 
     chosen, rest = _plan(args, dev, cache, feed, results.emit)
+    results.progress.close()  # set up and calibrated: from here on, frame lines only
     if rest is None:
         return
     if args.save_plan:
@@ -152,12 +171,12 @@ def _run_frames(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed
     runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
-    watch = chosen.watch(depth, runner.frames_at_once)
+    watch = chosen.watch(depth, runner.frames_at_once, lean=getattr(args, "lean_depth", False))
     for result in runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
                                     in_flight=(lambda: watch.depth) if watch else None):
         results.dropped(feed.drops())
         results.emit(result, results.report.predicted)
-        if watch is not None and (line := watch.observe(result.latency)):
+        if watch is not None and result.error is None and (line := watch.observe(result.latency, result.delivered)):
             print(line, flush=True)
     results.dropped(feed.drops())
 
@@ -168,9 +187,11 @@ class Results:
     its count and its saved output; the summary at the end."""
 
     def __init__(self, args: argparse.Namespace, shown: Shown):
+        from deepco_device.progress import Progress
         from deepco_device.run_report import Report, Saved
 
         self.args, self.shown = args, shown
+        self.progress = Progress()  # a bar on stderr while setting up and calibrating, where it is a terminal
         self.saved = Saved(args.save_outputs)
         self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
         self.report = Report(0.0, args.depth, self.log_file)
@@ -188,12 +209,12 @@ class Results:
         self.report.frame(result, predicted)
         self.saved.output(result)
         if result.error is not None:
-            print(f"frame {result.index}: ERROR {result.error}", flush=True)
+            self.progress.write(f"frame {result.index}: ERROR {result.error}")
             return
         shown = self.shown.frame(result.index, result.outputs)
         if not self.args.quiet:
-            print(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  {shown}",
-                  flush=True)
+            self.progress.write(f"frame {result.index}: {result.latency * 1e3:7.1f} ms  {self.report.fps():5.1f} fps  "
+                                f"{shown}")
 
     def close(self) -> None:
         """Close the JSON log."""
@@ -218,6 +239,8 @@ def _check_flags(args: argparse.Namespace) -> None:
                             "--plan or another --algorithm")
     elif args.max_latency is not None:
         raise UserError("--max-latency is the bound of --objective slo; give --objective slo too")
+    if args.depth is not None and args.depth < 1:
+        raise UserError(f"--depth must be at least 1, got {args.depth}")
 
 
 @dataclass(frozen=True)
@@ -243,11 +266,16 @@ class Chosen:
             print(self.slo.note(), flush=True)
         return latency
 
-    def watch(self, depth: int, least: int) -> SloWatch | None:
-        """With --objective slo, the watch that keeps the run within its bound."""
+    def watch(self, depth: int, least: int, lean: bool) -> SloWatch | LeanDepth | None:
+        """What changes the frames in flight during the run: with --objective slo, the watch that keeps the run
+        within its bound; with ``lean`` (a live source dropping late frames, --depth not given), the fewest
+        frames in flight that keep the measured frame rate (deepco.planning.lean_depth); else nothing."""
+        from deepco.planning.lean_depth import LeanDepth
         from deepco.planning.slo import SloWatch
 
-        return None if self.slo is None else SloWatch(self.slo.bound, depth, least)
+        if self.slo is not None:
+            return SloWatch(self.slo.bound, depth, least)
+        return LeanDepth(least, depth) if lean else None
 
 
 class _PlanCacheUse:
@@ -264,16 +292,12 @@ class _PlanCacheUse:
         self.model = args.model
         if args.no_plan_cache or args.plan is not None or args.algorithm != "auto":
             return
-        from deepco.wire.client import ServerError
-
-        cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
         dev.load()
-        try:
-            self.key = cache_key(dev, args.objective)
-        except ServerError as exc:  # a server down: setup leaves it out, and a plan without it is not the key's
-            print(f"plan cache: not used this run: {exc}", flush=True)
+        if dev.reach():  # the key names every server's id, which a server that is down cannot give
+            print(f"plan cache: not used: {', '.join(dev.reach())} down at start", flush=True)
             return
-        self.cache = cache
+        self.cache = PlanCache(Path(args.plan_cache) if args.plan_cache else cache_home(), dev.log)
+        self.key = cache_key(dev, args.objective)
         self.cached = self.cache.load(self.key)
         if self.cached is not None:
             c = self.cached

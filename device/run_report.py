@@ -11,6 +11,8 @@ import numpy as np
 from deepco_device.feed import Dropped
 from deepco_device.records import FrameResult
 
+LOGGED_EVENTS = ("down", "up")  # of the device's health events, those the JSON log gets (a line each)
+
 
 class Report:
     """What `deepco run` counts as frames come out (and drops are reported), writes to the JSON log, and
@@ -22,6 +24,9 @@ class Report:
         self.latencies: list[float] = []
         self.ages: list[float] = []  # capture to result
         self.failures = self.drops = 0
+        self.out: set[int] = set()  # the frames that came out, done or failed
+        self.events: list[dict] = []  # the device's health events (device.health), logged as they come
+        self._logged_events = 0
 
     def fps(self) -> float:
         """Frames done per second so far."""
@@ -37,8 +42,21 @@ class Report:
             if not quiet:
                 print(f"frame {d.index}: dropped (late: a newer frame came before the pipeline had room)", flush=True)
 
+    def log_events(self) -> None:
+        """Write the servers' comings and goings (the device's `down` and `up` events, device.health) that came
+        since the last call to the JSON log, their times made seconds from the run's start like the frames'."""
+        new, self._logged_events = self.events[self._logged_events:], len(self.events)
+        new = [event for event in new if event["event"] in LOGGED_EVENTS]
+        if self.log_file and new:
+            for event in new:
+                self.log_file.write(json.dumps(event | {"at": event["at"] - self.start}) + "\n")
+            self.log_file.flush()
+
     def frame(self, result: FrameResult, predicted: float | None = None) -> None:
-        """Count and log one frame's result (``predicted``: its plan's prediction, default the run's)."""
+        """Count and log one frame's result (``predicted``: its plan's prediction, default the run's), after
+        the health events that came before it."""
+        self.out.add(result.index)
+        self.log_events()
         if self.log_file:
             record = result.log_record(self.predicted if predicted is None else predicted, self.start)
             self.log_file.write(json.dumps(record) + "\n")
@@ -70,6 +88,25 @@ class Report:
             print(f"deepco run: {self.failures} frame(s) failed (see above)", file=sys.stderr)
             return 1
         return 0
+
+
+    def interrupted(self, taken: set[int], quiet: bool) -> None:
+        """Ctrl-C: the frames that entered (``taken``) and have no result are cancelled: a line each (unless
+        ``quiet``) and one JSON event in the log; then the summary of the frames done, and one line saying so."""
+        self.finish()
+        self.log_events()
+        cancelled = sorted(taken - self.out)
+        if self.log_file:
+            event = {"event": "interrupted", "reason": "SIGINT (Ctrl-C)", "done": len(self.latencies),
+                     "failed": self.failures, "dropped": self.drops, "cancelled": cancelled,
+                     "at": self.end - self.start}
+            self.log_file.write(json.dumps(event) + "\n")
+            self.log_file.flush()
+        if not quiet:
+            for index in cancelled:
+                print(f"frame {index}: cancelled (interrupted)", flush=True)
+        self.summary()
+        print(f"interrupted: {len(self.latencies)} frame(s) done, {len(cancelled)} in flight cancelled", flush=True)
 
 
 class Saved:

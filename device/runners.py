@@ -44,6 +44,7 @@ from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, SplitJob, WrongAnswer
 from deepco.wire.split_jobs import job_request
+from deepco.wire.step_times import StepClock
 
 if TYPE_CHECKING:
     from deepco_device.session import Device
@@ -176,7 +177,9 @@ class StagedRunner:
             runner._inflight = inflight  # one set of calls to cancel, whichever runner started them
             return runner
 
-        health = Health(self.device, self, make, replan, self._ready, self._server_of, adapt)
+        dev = self.device
+        health = Health(dev, self, make, replan, self._ready, self._server_of, adapt,
+                        unreached=dev.measurements.unreached, measure=dev.measure_server)
         return pipeline.run_frames(health, inputs, depth, give_up or GiveUp(), inflight, first, in_flight)
 
     def _ready(self, server: str) -> bool:
@@ -240,7 +243,8 @@ class OffloadRunner(StagedRunner):
         what = f"the output of {server}"
         checked = check_outputs(outputs, self.output_specs, what, client.address)
         latency, times = time.perf_counter() - start, StepTimes.from_wire(wire_times)
-        step = ServerStep(server, antenna, (0, x.shape[2]), (0, 0), received=sent, finish=latency, times=times)
+        step = ServerStep(server, antenna, (0, x.shape[2]), (0, 0), received=sent, finish=latency, times=times,
+                          origin=max(0.0, latency - times.wall))  # upper bound: the answer's return is not timed
         return checked, FrameTiming(latency=latency, sent=sent, compute=times.compute, queue=times.queue,
                                     server=server, servers=(step,))
 
@@ -282,6 +286,7 @@ class _Sends:
     streams: dict[int, SplitJob] = field(default_factory=dict)
     send_start: dict[int, float] = field(default_factory=dict)
     sent_at: dict[int, float] = field(default_factory=dict)
+    received_at: dict[int, float] = field(default_factory=dict)  # its `received` event came (before any pacing)
     failure: list[ServerError] = field(default_factory=list)
     crashed: list[BaseException] = field(default_factory=list)  # a sender's own failure (not the server's)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -390,6 +395,7 @@ class SplitRunner(StagedRunner):
                 with sends.lock:
                     sends.streams[i] = handle
                 handle.received()
+                sends.received_at[i] = time.perf_counter() - start
             except ServerError as exc:
                 sends.failure.append(exc)
                 return
@@ -412,7 +418,10 @@ class SplitRunner(StagedRunner):
         began = time.perf_counter()
         y = self.own.run(None, {self.own_input: np.ascontiguousarray(x[:, :, lo:hi, :])})[0]
         crop = plan.crops[1][i]
-        own = dpb.SplitResult(times=dpb.StepTimes(compute_seconds=time.perf_counter() - began))
+        own = dpb.SplitResult()
+        clock = StepClock(own.times, began)  # the device's own step, timed like a server's
+        clock.since("compute", began, 1)
+        clock.finish()
         results[i] = (own, time.perf_counter() - start)
         return y[:, :, crop:crop + b - a]
 
@@ -471,10 +480,14 @@ class SplitRunner(StagedRunner):
         steps = []
         for i in range(len(plan.servers)):
             r, finish = results[i]
+            times = StepTimes.from_wire(r.times)
+            # Both are upper bounds of the step's start on the device's clock (each event reaches it late): the least
+            origin = min(sends.received_at.get(i, finish) - times.input, finish - times.wall)
             steps.append(ServerStep(
                 name=plan.servers[i], antenna=plan.antennas[i], rows=tuple(plan.windows[0][i]),
                 band=tuple(plan.bands[-1][i]), send_start=sends.send_start.get(i, 0.0),
-                received=sends.sent_at.get(i, 0.0), finish=finish, times=StepTimes.from_wire(r.times),
+                received=sends.sent_at.get(i, 0.0), finish=finish, times=times,
+                origin=max(origin, sends.send_start.get(i, 0.0)),
                 messages_received=r.messages_received, messages_sent=r.messages_sent,
                 bytes_received=r.bytes_received, bytes_sent=r.bytes_sent))
         return tuple(steps)

@@ -15,10 +15,11 @@ failover, rejoin, live adaptation: device/health.py, device/adaptation.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from deepco_device.measuring import device_session, join_rate, measure
+from deepco_device.measuring import device_session, measure, server_rates
 from deepco_device.parts import Links, Measured, ModelArtefacts
 from deepco_device.preprocess import Preprocessing, preprocessing_for
 from deepco_device.records import Measurements
@@ -28,10 +29,9 @@ from deepco.errors import UserError
 from deepco.partition import Cut
 from deepco.planning import paper_plans
 from deepco.planning.staged import MIN_STAGE_FLOPS, Rates, StagedPlan
-from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.client import InferenceClient
 from deepco.wire.security import ChannelSecurity
 
-READY_SECONDS = 10.0  # how long setup waits for each server to be ready before it leaves it out
 ALGORITHMS = paper_plans.ALGORITHMS  # the paper's row plans `deepco run --algorithm` takes besides auto/local/offload
 
 
@@ -58,6 +58,9 @@ class Device:
         self.events: list[dict] = []  # down / up / change / switch, with times (perf_counter): device.health
         self.plan: StagedPlan | None = None
         self.cut: Cut | None = None
+        self._reached: dict[str, str] | None = None  # `reach`'s answer, once asked
+        self.progress: Callable[[str], None] = lambda what: None  # a step of setup or calibration begins
+        self._probe_cut: Cut | None = None  # what setup sized the servers' compute probe by
 
     # ---- the parts' attributes, as callers knew them -----------------------------------------------------
     cluster = property(lambda self: self.links.cluster, doc="The cluster file's servers and antennas.")
@@ -108,55 +111,27 @@ class Device:
         before it is switched on (`setup` does it if it has not been done)."""
         self.artefacts.load()
 
-    def _servers_up(self) -> list[int]:
-        """The indices of the servers that are ready (each waited for up to READY_SECONDS); the others are
-        marked down, with a line each: a run probes them and they join once they answer (device.health). A
-        UserError when none is."""
-        up = []
-        for k, server in enumerate(self.cluster.servers):
-            try:
-                self.client(k, 0).wait_ready(timeout=READY_SECONDS)
-                up.append(k)
-            except ServerError as exc:
-                self.down.add(server.name)
-                self.log(f"server {server.name} is down at setup ({exc}): left out until it answers")
-        if not up:
-            raise UserError("no server of the cluster file is ready: " + ", ".join(sorted(self.down)))
-        return up
-
-    def join(self, name: str) -> bool:
-        """Measure server ``name``, down at setup and up now, so that plans can use it; whether it is measured
-        (False: it stopped answering meanwhile)."""
-        measured = self.measured
-        if name in measured.server_flops_per_second:
-            return True
-        k = next(k for k, s in enumerate(self.cluster.servers) if s.name == name)
-        try:
-            rate = join_rate(self.pool, measured, k, self.tag)
-        except ServerError as exc:
-            self.log(f"server {name} answers but could not be measured: {exc}")
-            return False
-        measured.server_flops_per_second[name] = rate
-        self.log(f"server {name} measured on joining: {rate / 1e9:.2f} GFLOP/s")
-        return True
-
     def setup(self, rows: bool = True) -> StagedPlan | None:
         """Load and measure; with ``rows`` also plan ``algorithm`` the paper's way (printed through ``log``)
         and return that plan. ``rows=False`` stops after measuring: the staged planner (device/planner.py)
         plans for itself, and the paper's plans over every cut would only cost time (seconds per cut on a
         weak device). Nothing is uploaded here: a runner uploads what its plan needs."""
         if self.partitioner is None:
+            self.progress("loading the model")
             self.load()
         p = self.partitioner
         cuts = p.cuts if self.cut_spec == "auto" else [p.cut(self.cut_spec)]
         if self.cut_spec == "auto":  # a cut with next to no work before it only sends float32 instead of pixels
             cuts = [c for c in cuts if c.head_flops >= MIN_STAGE_FLOPS * p.total_flops] or cuts
-        up = self._servers_up()
+        self.progress("waiting for the servers")
+        down = self.reach()
         x = np.zeros((1, self.channels, self.height, self.width), np.uint8)
         whole = device_session(self.model.SerializeToString())
         reference = max(cuts, key=lambda c: c.head_flops)  # most work: the steadiest FLOP/s measurement
-        self.measurements.measurements = measure(self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag,
-                                                 log=self.log, up=up)
+        self._probe_cut = reference
+        self.measurements.measurements, self.measurements.probe_ratio = measure(
+            self.pool, p, whole, x, reference, pace=self.pace, tag=self.tag, log=self.log, skip=down,
+            step=self.progress)
         if not rows:
             return None
         self.plan = self.paper_plan(self.algorithm, cut=None if self.cut_spec == "auto" else self.cut_spec)
@@ -164,6 +139,40 @@ class Device:
         if self.cut_spec == "auto":
             self.log(f"cut: {self.cut.name} (least predicted frame time)")
         return self.plan
+
+    def reach(self) -> dict[str, str]:
+        """The servers down at the start (name -> why), asked once (device.channels: all at once, so one that
+        is down delays the start by seconds, not ten per server): left out of measuring and planning until
+        they answer (then `measure_server` measures each, and it joins as a server back from down does:
+        device.health). One line names them; a UserError when no server answers."""
+        if self._reached is None:
+            self._reached = self.pool.reach()
+            names = [s.name for s in self.cluster.servers]
+            if len(self._reached) == len(names):
+                raise UserError("no server is reachable: " + "; ".join(
+                    f"{self.pool.client(n, 0).address}: {why}" for n, why in self._reached.items()))
+            self.measurements.unreached = dict(self._reached)
+            self.down.update(self._reached)  # nothing of ours is on them: not asked to unload on close
+            for name, why in self._reached.items():
+                self.events.append({"event": "down", "server": name, "at": time.perf_counter(),
+                                    "why": f"at start: {why}"})
+            if self._reached:
+                self.log("down at start: " + ", ".join(f"{n} ({self.pool.client(n, 0).address}: {why})"
+                                                       for n, why in self._reached.items())
+                         + f"; starting on {', '.join(n for n in names if n not in self._reached)}; "
+                         "they join when they answer")
+        return self._reached
+
+    def measure_server(self, name: str) -> None:
+        """Measure a server that was down at the start and now answers (its probe rate, as setup measured the
+        others), so that plans can count on it."""
+        if name not in self.measurements.unreached or self.measured is None:
+            return
+        others = {s.name for s in self.cluster.servers} - {name}
+        rate = server_rates(self.pool, self._probe_cut, self.tag, skip=others)[name]
+        self.measured.server_flops_per_second[name] = rate * self.measurements.probe_ratio
+        del self.measurements.unreached[name]
+        self.log(f"server {name} measured on joining: {rate * self.measurements.probe_ratio / 1e9:.2f} GFLOP/s")
 
     def restore(self, measured: Measurements, compute_scale: float, step_overhead: float) -> None:
         """Take what an earlier setup measured and its calibration fitted (the plan cache, device.plan_cache)

@@ -33,6 +33,7 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
+from deepco.wire.step_times import StepClock
 from deepco.wire.tensors import TensorError, add_output, decode_inputs
 
 log = logging.getLogger("deepco.serve")
@@ -224,13 +225,13 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         with _answering("Run", context):
             model = self.state.registry.get(request.model_name, request.model_version, client_identity(context))
         times = dpb.StepTimes()
+        clock = StepClock(times, time.perf_counter())
         with self.state.statistics.measuring(model) as timer:  # counted in ModelStatistics like ModelInfer
             with _answering("Run", context):
-                began = time.perf_counter()
                 arrays = decode_inputs(request)
                 model.check_inputs(arrays)
                 outputs = model.output_names([o.name for o in request.outputs])
-                times.input_seconds = time.perf_counter() - began
+                clock.since("input", clock.origin)
                 timer.lap("compute_input")
             yield dpb.RunEvent(received=dpb.RunReceived())
             timer.lap(None)
@@ -238,16 +239,16 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
                 queued = time.perf_counter()
                 with self.state.admission.waiting(RUN_QUEUE_SECONDS):
                     timer.lap("queue")
-                    start = time.perf_counter()
+                    start = clock.since("queue", queued)
                     results = model.run(arrays, outputs)
-                    done = time.perf_counter()
+                    done = clock.since("compute", start)
                     timer.lap("compute_infer")
                 response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
                 for name in outputs:
                     add_output(response, name, results[name])
                 timer.lap("compute_output")
-                times.queue_seconds, times.compute_seconds = start - queued, done - start
-                times.encode_seconds = time.perf_counter() - done
+                clock.since("encode", done)
+                clock.finish()
         yield dpb.RunEvent(result=dpb.RunResult(response=response, times=times))
 
     @_statuses
@@ -295,8 +296,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         try:
             yield dpb.RunEvent(received=dpb.RunReceived())
             with _answering("SplitRun", context):
-                result = self.split_jobs.run(job, context.is_active)
-                result.times.input_seconds = decoded
+                result = self.split_jobs.run(job, context.is_active, began, began + decoded)
             yield dpb.RunEvent(split_result=result)
         finally:
             self.split_jobs.mailboxes.drop(job.id)

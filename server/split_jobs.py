@@ -59,6 +59,7 @@ from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire.rows import decode_rows, encode_rows
 from deepco.wire.security import make_channel
 from deepco.wire.split_jobs import gatherer, named_rows
+from deepco.wire.step_times import StepClock
 from deepco.wire.tensors import TensorError
 
 MAX_JOBS = 2  # jobs running here at once; see the module doc for the threads each holds
@@ -200,6 +201,7 @@ class Outgoing:
     def __init__(self, stub: dpb_grpc.DeepcoServiceStub, peer: int, address: str, timeout: float):
         self.peer, self.address = peer, address
         self.queue: queue.Queue[dpb.RowsMessage | None] = queue.Queue()
+        self.ended = False
         self.future = stub.SplitExchange.future(self._messages(), timeout=timeout)
 
     def _messages(self) -> Iterator[dpb.RowsMessage]:
@@ -227,9 +229,15 @@ class Outgoing:
             raise err
         self.queue.put(message)
 
+    def end(self) -> None:
+        """End the stream (once): the peer acknowledges when it has taken every message."""
+        if not self.ended:
+            self.ended = True
+            self.queue.put(None)
+
     def finish(self, timeout: float) -> None:
         """End the stream and wait for the peer's acknowledgement."""
-        self.queue.put(None)
+        self.end()
         try:
             self.future.result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -245,6 +253,42 @@ class Outgoing:
         """Abandon the stream (the job failed)."""
         self.queue.put(None)
         self.future.cancel()
+
+
+class Streams:
+    """A job's outgoing exchange streams, one per peer it feeds, opened on a thread of their own as the job
+    starts: opening a stream (a gRPC call, and the thread that feeds it) then overlaps the first segment's
+    compute instead of delaying the first rows the job sends (bench/step_overhead.py's Gantt chart showed it
+    as the first send's bar)."""
+
+    def __init__(self, open_one: Callable[[int], Outgoing], peers: list[int]):
+        self._streams: dict[int, Outgoing] = {}
+        self._failed: BaseException | None = None
+        self._opened = threading.Event()
+        if peers:
+            threading.Thread(target=self._open_all, args=(open_one, peers), daemon=True).start()
+        else:
+            self._opened.set()
+
+    def _open_all(self, open_one: Callable[[int], Outgoing], peers: list[int]) -> None:
+        try:
+            for peer in peers:
+                self._streams[peer] = open_one(peer)
+        except BaseException as exc:  # noqa: BLE001 - raised to the job by the first use
+            self._failed = exc
+        finally:
+            self._opened.set()
+
+    def opened(self) -> list[Outgoing]:
+        """Every stream opened (opening waits on nothing remote: this returns at once)."""
+        self._opened.wait()
+        return list(self._streams.values())
+
+    def __getitem__(self, peer: int) -> Outgoing:
+        self._opened.wait()
+        if self._failed is not None:
+            raise self._failed
+        return self._streams[peer]
 
 
 @dataclass
@@ -277,6 +321,14 @@ class Job:
         if level == 0 and self.lookahead:
             return {}
         return sends(self.bands, self.windows, level, self.me)
+
+    @property
+    def feeds(self) -> list[int]:
+        """The peers this server sends rows to (exchanges, and its band to the one that gathers)."""
+        fed = {peer for level in range(len(self.models)) for peer in self.sends(level)}
+        if self.gather_to is not None and self.gather_to != self.me:
+            fed.add(self.gather_to)
+        return sorted(fed)
 
     @property
     def threads(self) -> int:
@@ -462,123 +514,144 @@ class SplitJobs:
             count += 1
         return dpb.ExchangeAck(messages=count)
 
-    def run(self, job: Job, active: Callable[[], bool]) -> dpb.SplitResult:
+    def run(self, job: Job, active: Callable[[], bool], began: float | None = None,
+            decoded: float | None = None) -> dpb.SplitResult:
         """Run a claimed job to its band of the last level (see the module doc); ``active`` says whether the
-        client still waits for it (its waits end CANCELLED once not)."""
-        if job.tensors:
-            return self._run_level(job)
+        client still waits for it (its waits end CANCELLED once not). ``began``..``decoded`` (perf_counter):
+        the call's start and when its input was decoded, the step's first phase (default: now, none)."""
         result = dpb.SplitResult()
-        outgoing: dict[int, Outgoing] = {}
+        origin = time.perf_counter() if began is None else began
+        clock = StepClock(result.times, origin)
+        if decoded is not None:
+            clock.add("input", origin, decoded)
+        if job.tensors:
+            self._run_level(job, result, clock)
+            clock.finish()
+            return result
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
+        outgoing = Streams(lambda peer: Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total),
+                           job.feeds)
         ok = False
         try:
             band = job.image
             for j, model in enumerate(job.models, start=1):
-                level = j - 1
-                own = job.bands[level][job.me]
-                for peer, (a, b) in job.sends(level).items():
-                    if peer not in outgoing:
-                        outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total)
-                    encoding = time.perf_counter()
-                    piece = np.ascontiguousarray(band[:, :, a - own[0]:b - own[0]])
-                    message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level, rows=encode_rows(piece, a))
-                    result.times.encode_seconds += time.perf_counter() - encoding
-                    outgoing[peer].send(message)
-                    result.messages_sent += 1
-                    result.bytes_sent += piece.nbytes
-                lo, hi = job.windows[j][job.me]
-                if j == 1 and job.lookahead:
-                    own = (lo, hi)  # the device sent the whole window
-                pieces: list[tuple[int, np.ndarray]] = []
-                mine = (max(lo, own[0]), min(hi, own[1]))
-                if mine[0] < mine[1]:
-                    pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
-                waited = time.perf_counter()
-                for peer, rows in job.receives(level).items():
-                    pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, active, result)))
-                result.times.halo_seconds += time.perf_counter() - waited
-                pieces.sort(key=lambda p: p[0])
-                window = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
-                if window.shape[2] != hi - lo:
-                    raise Internal(f"split job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
-                                   f"expected [{lo}, {hi})")
-                queued = time.perf_counter()
-                with self.state.admission.waiting(job.timeout):
-                    started = time.perf_counter()
-                    output = model.run({model.inputs[0].name: window}, [model.outputs[0].name])
-                    result.times.compute_seconds += time.perf_counter() - started
-                result.times.queue_seconds += started - queued
-                y = output[model.outputs[0].name]
-                crop = job.crops[j][job.me]
-                a, b = job.bands[j][job.me]
-                if crop + (b - a) > y.shape[2]:
-                    raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
-                                  f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
-                band = y[:, :, crop:crop + b - a]
+                band = self._segment(job, j, model, band, outgoing, active, result, clock)
+            last = len(job.models)
             if job.gather_to is None:
-                self._answer(result, band, job.bands[-1][job.me][0])
+                self._answer(result, band, job.bands[-1][job.me][0], clock, last)
             elif job.gather_to != job.me:
-                self._send_band(job, band, outgoing, result, deadline_total)
+                self._send_band(job, band, outgoing, result, clock)
             else:
-                result.outputs.extend(self._gather_and_finish(job, band, outgoing, result, active))
+                self._gather_and_finish(job, band, outgoing, result, active, clock)
             sending = time.perf_counter()
-            for out in outgoing.values():
+            for out in outgoing.opened():  # every stream ended first: the peers' acknowledgements overlap
+                out.end()
+            for out in outgoing.opened():
                 out.finish(job.timeout)
-            result.times.send_seconds += time.perf_counter() - sending
+            clock.since("send", sending, last)
+            clock.finish()
             ok = True
             return result
         finally:
             if not ok:
-                for out in outgoing.values():
+                for out in outgoing.opened():
                     out.cancel()
 
-    def _run_level(self, job: Job) -> dpb.SplitResult:
-        """A job to a level of several tensors: its one segment on the image window it was sent (lookahead:
-        nothing to exchange), and this server's band of every tensor, by name (SplitResult.outputs)."""
-        result = dpb.SplitResult()
-        model = job.models[0]
+    def _segment(self, job: Job, j: int, model, band: np.ndarray, outgoing: Streams, active: Callable[[], bool],
+                 result: dpb.SplitResult, clock: StepClock) -> np.ndarray:
+        """Segment ``j`` of the job: send the peers their rows of level j-1 from ``band`` (this server's band of
+        that level), gather the window from ``band`` and the peers' rows, run the segment; this server's band of
+        level j."""
+        level = j - 1
+        own = job.bands[level][job.me]
+        for peer, (a, b) in job.sends(level).items():
+            encoding = time.perf_counter()
+            piece = band[:, :, a - own[0]:b - own[0]]
+            message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level)
+            encode_rows(piece, a, into=message.rows)  # one copy of the rows, straight into the message
+            sending = clock.since("encode", encoding, j)
+            outgoing[peer].send(message)
+            clock.since("send", sending, j)
+            result.messages_sent += 1
+            result.bytes_sent += piece.nbytes
+        lo, hi = job.windows[j][job.me]
+        if j == 1 and job.lookahead:
+            own = (lo, hi)  # the device sent the whole window
+        pieces: list[tuple[int, np.ndarray]] = []
+        mine = (max(lo, own[0]), min(hi, own[1]))
+        if mine[0] < mine[1]:
+            pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
+        receives = job.receives(level)
+        if receives:
+            waited = time.perf_counter()
+            for peer, rows in receives.items():
+                pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, active, result)))
+            clock.since("halo", waited, j)
+        pieces.sort(key=lambda p: p[0])
+        window = pieces[0][1] if len(pieces) == 1 else np.concatenate([p for _, p in pieces], axis=2)
+        window = np.ascontiguousarray(window)
+        if window.shape[2] != hi - lo:
+            raise Internal(f"split job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
+                           f"expected [{lo}, {hi})")
+        y = self._compute(job, model, {model.inputs[0].name: window}, [model.outputs[0].name], clock, j)
+        y = y[model.outputs[0].name]
+        crop = job.crops[j][job.me]
+        a, b = job.bands[j][job.me]
+        if crop + (b - a) > y.shape[2]:
+            raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
+                          f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
+        return y[:, :, crop:crop + b - a]
+
+    def _compute(self, job: Job, model, feeds: dict[str, np.ndarray], outputs: list[str], clock: StepClock,
+                 level: int) -> dict[str, np.ndarray]:
+        """``model`` on ``feeds`` once a compute slot is free, the wait timed as queue, the run as compute."""
         queued = time.perf_counter()
         with self.state.admission.waiting(job.timeout):
-            started = time.perf_counter()
-            output = model.run({model.inputs[0].name: job.image}, [name for name, _, _ in job.tensors])
-            result.times.compute_seconds += time.perf_counter() - started
-        result.times.queue_seconds += started - queued
+            started = clock.since("queue", queued, level)
+            output = model.run(feeds, outputs)
+            clock.since("compute", started, level)
+        return output
+
+    def _run_level(self, job: Job, result: dpb.SplitResult, clock: StepClock) -> None:
+        """A job to a level of several tensors: its one segment on the image window it was sent (lookahead:
+        nothing to exchange), and this server's band of every tensor, by name (SplitResult.outputs)."""
+        model = job.models[0]
+        output = self._compute(job, model, {model.inputs[0].name: job.image}, [name for name, _, _ in job.tensors],
+                               clock, 1)
         encoding = time.perf_counter()
         for name, owned, crop in job.tensors:
             y, (a, b), c = output[name], owned[job.me], crop[job.me]
             if y.ndim != 4 or c + (b - a) > y.shape[2]:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {list(y.shape)} for {name[:80]!r}; "
                               f"crop {c} + band {b - a} does not fit")
-            result.outputs.add(name=name, rows=encode_rows(np.ascontiguousarray(y[:, :, c:c + b - a]), a))
-        result.times.encode_seconds += time.perf_counter() - encoding
-        return result
+            encode_rows(y[:, :, c:c + b - a], a, into=result.outputs.add(name=name).rows)
+        clock.since("encode", encoding, 1)
 
     @staticmethod
-    def _answer(result: dpb.SplitResult, rows: np.ndarray, start: int) -> None:
+    def _answer(result: dpb.SplitResult, rows: np.ndarray, start: int, clock: StepClock, level: int) -> None:
         """Put ``rows`` (starting at row ``start``) into the answer to the device, timed as encoding."""
         encoding = time.perf_counter()
-        result.output.CopyFrom(encode_rows(np.ascontiguousarray(rows), start))
-        result.times.encode_seconds += time.perf_counter() - encoding
+        encode_rows(rows, start, into=result.output)
+        clock.since("encode", encoding, level)
 
-    def _send_band(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing], result: dpb.SplitResult,
-                   deadline: float) -> None:
+    def _send_band(self, job: Job, band: np.ndarray, outgoing: Streams, result: dpb.SplitResult,
+                   clock: StepClock) -> None:
         """This server's band of the last level, to the server that gathers it."""
         peer, last = job.gather_to, len(job.models)
-        if peer not in outgoing:
-            outgoing[peer] = Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline)
         encoding = time.perf_counter()
-        piece = np.ascontiguousarray(band)
-        message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last,
-                                  rows=encode_rows(piece, job.bands[-1][job.me][0]))
-        result.times.encode_seconds += time.perf_counter() - encoding
+        message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last)
+        encode_rows(band, job.bands[-1][job.me][0], into=message.rows)
+        sending = clock.since("encode", encoding, last)
         outgoing[peer].send(message)
+        clock.since("send", sending, last)
         result.messages_sent += 1
-        result.bytes_sent += piece.nbytes
+        result.bytes_sent += band.nbytes
 
-    def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: dict[int, Outgoing],
-                           result: dpb.SplitResult, active: Callable[[], bool]) -> list[dpb.NamedRows]:
+    def _gather_and_finish(self, job: Job, band: np.ndarray, outgoing: Streams,
+                           result: dpb.SplitResult, active: Callable[[], bool],
+                           clock: StepClock) -> None:
         """Every peer's band of the last level, stitched with ours, through the tail model: every output of
-        the model, by name."""
+        the model, by name, into ``result.outputs``."""
         last = len(job.models)
         pieces = [(job.bands[-1][job.me][0], band)]
         waited = time.perf_counter()
@@ -586,24 +659,22 @@ class SplitJobs:
             if peer != job.me:
                 rows = job.bands[-1][peer]
                 pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result)))
-        result.times.halo_seconds += time.perf_counter() - waited
+        clock.since("halo", waited, last + 1)
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
         tail = job.tail
-        queued = time.perf_counter()
-        with self.state.admission.waiting(job.timeout):
-            started = time.perf_counter()
-            tail.check_inputs({tail.inputs[0].name: whole})
-            outputs = tail.run({tail.inputs[0].name: whole}, [o.name for o in tail.outputs])
-            result.times.compute_seconds += time.perf_counter() - started
-        result.times.queue_seconds += started - queued
+        tail.check_inputs({tail.inputs[0].name: whole})
+        outputs = self._compute(job, tail, {tail.inputs[0].name: whole}, [o.name for o in tail.outputs], clock,
+                                last + 1)
+        encoding = time.perf_counter()
         try:
-            return named_rows(outputs)
+            named_rows(outputs, result.outputs)
         except ValueError as exc:
             raise invalid(f"SplitRun: the tail's output: {exc}") from None
+        clock.since("encode", encoding, last + 1)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
-              outgoing: dict[int, Outgoing], active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
+              outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
         """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
         the rows); counted in ``result``."""
         a, b = rows
@@ -617,7 +688,7 @@ class SplitJobs:
         result.bytes_received += array.nbytes
         return array
 
-    def _wait(self, job: Job, level: int, peer: int, outgoing: dict[int, Outgoing],
+    def _wait(self, job: Job, level: int, peer: int, outgoing: Streams,
               active: Callable[[], bool]) -> tuple[np.ndarray, int]:
         """The rows of ``level`` from ``peer``: DEADLINE_EXCEEDED naming it if they do not come in time;
         fails at once if the job is cancelled or one of our own streams to a peer broke."""
@@ -628,7 +699,7 @@ class SplitJobs:
                 return got
             if not active():
                 raise Cancelled(f"split job {job.id!r} cancelled")
-            for out in outgoing.values():
+            for out in outgoing.opened():
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:

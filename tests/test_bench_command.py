@@ -106,3 +106,37 @@ def test_the_live_and_slo_runs_are_medians_over_the_repeats_and_said_in_the_tabl
     assert "p95 of the first third 100.0 ms, of the last 6000.0 ms" in text  # never: the queue grew
     assert ("slo, bound 300.0 ms: chose offload, 2 frame(s) in flight (met: [True, True, True]): 10.00 fps, p95 "
             "250.0 ms = 1.00 of the most fps measured within the bound (10.00)") in text
+
+
+def test_gantt_draws_autos_median_frame_and_prints_its_step_split(tmp_path, monkeypatch, capsys):
+    """The bookkeeping of --gantt (real timelines: test_step_timelines): auto's frame of median latency of
+    the first repeat is drawn, and the split covers every repeat's frames."""
+    runs = copy.deepcopy(json.loads(RECORDED.read_text())["points"][0]["runs"][:2])
+
+    def frame(latency: float) -> dict:
+        phases = [{"phase": "input", "level": 0, "start": 0.0, "end": 0.001},
+                  {"phase": "compute", "level": 1, "start": 0.001, "end": 0.005},
+                  {"phase": "encode", "level": 1, "start": 0.006, "end": 0.007}]
+        times = {"input": 0.001, "halo": 0.0, "queue": 0.0, "compute": 0.004, "encode": 0.001, "send": 0.0,
+                 "wall": 0.007, "phases": phases}
+        step = {"name": "s0", "antenna": 0, "send_start": 0.0, "received": 0.002, "finish": latency - 0.001,
+                "origin": 0.002, "times": times}
+        return {"latency": latency, "sent": 0.002, "collected": latency - 0.001, "stitch": 0.0, "tail": 0.001,
+                "servers": [step]}
+
+    for run in runs:
+        run["algorithms"]["auto"]["timelines"] = [frame(0.012), frame(0.010), frame(0.014)]
+    measured = iter(runs)
+    monkeypatch.setattr(bench_command, "one_point", lambda *_args: copy.deepcopy(next(measured)))
+    parser = argparse.ArgumentParser()
+    bench_command.add_arguments(parser)
+    path = tmp_path / "gantt.png"
+    args = parser.parse_args(["--preset", "camera", "--input-size", "224x224", "--repeat", "2", "--gantt", str(path)])
+    bench_command.run(args)
+    assert path.read_bytes().startswith(b"\x89PNG")
+    out = capsys.readouterr().out
+    assert "auto's step split: 6 frames, 6 server steps" in out
+    assert "segment step: wall 7.00  compute 4.00" in out
+    args = parser.parse_args(["--algorithms", "local,offload", "--gantt", str(path)])
+    with pytest.raises(UserError, match="--gantt draws auto's frame"):
+        bench_command.run(args)

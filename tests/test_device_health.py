@@ -104,5 +104,24 @@ def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so
         health.observe(runner, FrameTiming(latency=0.01 if on_trial else 0.02))
     assert ran == {"running": 3, "trial": 3}
     assert health.current().plan.servers == ["s0", "s1", "s2"]
-    assert device.lines[-1].startswith("switch: from equal: split over s0 (antenna 0), s2 (antenna 0)")
-    assert "s1 back" in device.lines[-1] and "10.0 ms against 20.0 ms" in device.lines[-1]
+    assert device.lines[-1] == "switch: split over 2 servers -> split over 3 servers: s1 back; measured 10.0 vs 20.0 ms"
+
+
+def test_a_replan_is_one_short_line_even_with_host_port_names_and_many_servers():
+    """Drift and failover once printed each plan in full (every server with its antenna, every stage): 250
+    characters a line, several lines a minute. A replan's line names the plan in a few words."""
+    names = [f"10.0.0.{k}:50051" for k in range(11, 15)]
+
+    def banded(servers: list[str]) -> StagedPlan:
+        rows = [(96 * k // len(servers), 96 * (k + 1) // len(servers)) for k in range(len(servers))]
+        return StagedPlan("thread", "split", servers=list(servers), antennas=[0, 1] * (len(servers) // 2),
+                          levels=["layer1", "layer2"], bands=[rows, rows, rows], tail=servers[0])
+
+    device = FakeDevice()
+    first = SimpleNamespace(plan=banded(names))
+    health = Health(device, first, lambda plan: SimpleNamespace(plan=plan),
+                    lambda down: banded([n for n in names if n not in down]), lambda name: True,
+                    lambda address: address.removeprefix("addr-"))
+    health.failed(first, ServerError(f"addr-{names[3]}", grpc.StatusCode.UNAVAILABLE, "gone"))
+    assert len(device.lines) == 1 and len(device.lines[0]) <= 160, device.lines  # it was about 300
+    assert device.lines[0].endswith("split over 3 servers, rows 32/32/32, 2 stages, tail on 10.0.0.11:50051")

@@ -65,7 +65,9 @@ def cluster_text(servers: list[ServeProcess]) -> str:
 
 
 def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    if not path.exists():
+        return []  # the frames' lines, not the servers' down and up events
+    return [r for line in path.read_text().splitlines() if line.endswith("}") and "frame" in (r := json.loads(line))]
 
 
 def one_line_error(err: str) -> str:

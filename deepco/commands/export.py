@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 
 from deepco.errors import UserError
-from deepco.parsing import parse_size
+from deepco.parsing import SIZE_HELP
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME|PATH.onnx",
         help="a zoo model (resnet18/34/50/101/152, efficientnet-lite0, yolov8n, unet) or an ONNX file",
     )
-    p.add_argument("--input-size", required=True, metavar="HxW", help="input height x width, e.g. 224x224")
+    p.add_argument("--input-size", default=None, metavar="HxW", help=SIZE_HELP)
     p.add_argument(
         "--weights",
         metavar="FILE",
@@ -36,23 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Export (or re-check) the model, check that it runs at the size, and write it."""
     from deepco.partition import check_size, load_model
-    from deepco.partition.graph import fixed_size_problem
+    from deepco.partition.graph import model_size_problem
+    from deepco.partition.source import input_size
 
-    height, width = parse_size(args.input_size)
+    height, width = input_size(args.model, args.input_size)
     out = Path(args.output)
     if out.is_dir():
         raise UserError(f"--output {str(out)!r} is a directory, not a file")
     if not out.parent.is_dir():
         raise UserError(f"--output: directory {str(out.parent)!r} does not exist")
     model = load_model(args.model, height, width, args.weights)
-    inputs = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
-    problem = fixed_size_problem(inputs[0], height, width) if len(inputs) == 1 else None
+    problem = model_size_problem(model, height, width)
     if problem:
         raise UserError(problem)
     check_size(model, height, width, args.model)
     onnx.save(model, str(out))
-    dims = [d.dim_value if d.HasField("dim_value") else 0 for d in inputs[0].type.tensor_type.shape.dim] \
-        if len(inputs) == 1 else []
-    size = "fixed height and width" if len(dims) == 4 and dims[2] > 0 and dims[3] > 0 else "dynamic height and width"
+    # a model whose size is fixed at height x width would refuse any other: that is how to tell it from a dynamic one
+    fixed = model_size_problem(model, height + 1, width + 1) is not None
+    size = "fixed height and width" if fixed else "dynamic height and width"
     print(f"wrote {out} ({args.model}, runs at {height}x{width}, {size})")
     return 0

@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     failed = found = 0
     for server in cluster.servers:
         address = cluster.address_on(server, 0)
+        # a server named by its address (a file of addresses only) is shown by it once
+        label = address if server.name == address else f"{server.name} {address}"
         try:
             with InferenceClient(address, timeout=args.timeout, security=channel_security) as client:
                 index = client.model_index()
@@ -38,14 +40,15 @@ def run(args: argparse.Namespace) -> int:
                 # force: drop every reference (the devices that loaded it are gone, or this is what you want)
                 for name in targets:
                     client.unload_model(name, force=True)
-                    print(f"{server.name} {address}: unloaded {name}")
+                    print(f"{label}: unloaded {name}")
                 found += len(targets)
                 if not (args.all or args.unload):
-                    print(f"{server.name} {address}: {len(index)} model(s) loaded")
+                    print(f"{label}: {len(index)} model(s) loaded")
                     for m in index:
                         print(f"  {m.name}  version {m.version}  {m.reason}")
         except UserError as exc:
-            print(f"{server.name}: error: {exc}")  # the error names the server's address already
+            # the error names the server's address already
+            print(f"error: {exc}" if server.name == address else f"{server.name}: error: {exc}")
             failed += 1
     if args.unload and not found and not failed:
         raise UserError(f"no server of {args.cluster} has a model named {args.unload!r}")

@@ -10,7 +10,6 @@ import onnx
 
 from deepco.commands.export import add_model_arguments
 from deepco.errors import UserError
-from deepco.parsing import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
     """Analyse, slice, print; save head/tail/slices.json when asked."""
     from deepco.partition import Partitioner, check_size, choose_cut, load_model
     from deepco.partition.choose import DEFAULT_MAX_HALO
+    from deepco.partition.source import input_size
 
-    height, width = parse_size(args.input_size)
+    height, width = input_size(args.model, args.input_size)
     if args.cut != "auto" and (args.cluster or args.max_halo is not None):
         raise UserError("--cluster and --max-halo only apply with --cut auto")
     if args.cluster and args.max_halo is not None:

@@ -15,6 +15,7 @@ import json
 from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
+from deepco.parsing import SIZE_HELP
 from deepco.planning import ALGORITHMS, Instance, Plan, make_plan
 from deepco.wire import security
 
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dry = p.add_argument_group("dry run on the real servers (with --model: measure, plan, print; nothing is run)")
     dry.add_argument("--model", default=None,
                      help="zoo model name or path to an .onnx file; without it the abstract [workload] is planned")
-    dry.add_argument("--input-size", default="224x224", metavar="HxW", help="input height x width (default 224x224)")
+    dry.add_argument("--input-size", default=None, metavar="HxW", help=SIZE_HELP)
     dry.add_argument("--cut", default="auto", help="cut name (see `deepco partition`) or auto (default)")
     dry.add_argument("--weights", default=None, help="state-dict file for a zoo model")
     dry.add_argument("--save", default=None, metavar="F.json",

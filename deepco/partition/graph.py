@@ -85,6 +85,14 @@ def fixed_size_problem(image_input: onnx.ValueInfoProto, height: int, width: int
             f"give --input-size {fixed}")
 
 
+def model_size_problem(model: onnx.ModelProto, height: int, width: int) -> str | None:
+    """`fixed_size_problem` for ``model``'s one image input (None when it has not exactly one): checked on the
+    model as the user gave it, so the message names their input, not the device's added uint8 one."""
+    init = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in init]
+    return fixed_size_problem(inputs[0], height, width) if len(inputs) == 1 else None
+
+
 class RowGraph:
     """Row-level analysis of one ONNX model for one input size (see the module docstring)."""
 

@@ -123,8 +123,9 @@ class SloWatch:
         self.bound, self.depth, self.least, self.frames = bound, depth, least, frames
         self._window: list[float] = []
 
-    def observe(self, latency: float) -> str | None:
-        """Count one frame's latency (seconds); a line saying what changed, or None."""
+    def observe(self, latency: float, delivered: float | None = None) -> str | None:
+        """Count one frame's latency (seconds; ``delivered``, when it left, is not needed here); a line saying
+        what changed, or None."""
         self._window.append(latency)
         if len(self._window) < self.frames:
             return None

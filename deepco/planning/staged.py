@@ -122,6 +122,22 @@ class StagedPlan:
         how = "lookahead" if self.lookahead else "bands exchanged from the image on"
         return (f"{self.algorithm}: split over {who}, stages ending at {stages}, {how}, {where}")
 
+    def brief(self) -> str:
+        """A few words for the one line a replan or a switch prints, e.g. ``offload to s1``, ``split over 3
+        servers, rows 20/22/14, tail on s0``: the rows of each band of the last level, since a paper plan that
+        adapts keeps its servers and moves its rows (`describe` says the rest)."""
+        if self.kind == "local":
+            return "local"
+        if self.kind == "offload":
+            return f"offload to {self.servers[0]}"
+        if self.kind == "round-robin":
+            return f"round-robin over {len(self.servers)} servers"
+        onto = f"{len(self.servers)} servers" if DEVICE not in self.servers else \
+            f"{len(self.servers) - 1} servers and the device"
+        rows = f", rows {'/'.join(str(b - a) for a, b in self.bands[-1])}" if self.bands else ""
+        stages = f", {len(self.levels)} stages" if len(self.levels) > 1 else ""
+        return f"{self.kind} over {onto}{rows}{stages}" + (f", tail on {self.tail}" if self.tail else "")
+
 
 def same_plan(a: dict, b: dict) -> bool:
     """Whether two plans (`StagedPlan.to_dict` form) run the same way: equal in everything but their name,

@@ -8,9 +8,16 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.tensors import TensorError, array_from_raw, datatype_of, raw_bytes
 
 
-def encode_rows(array: np.ndarray, start: int) -> dpb.Rows:
-    """Rows of an NCHW tensor that start at global row ``start`` of their level."""
-    return dpb.Rows(datatype=datatype_of(array.dtype), shape=list(array.shape), data=raw_bytes(array), start=start)
+def encode_rows(array: np.ndarray, start: int, into: dpb.Rows | None = None) -> dpb.Rows:
+    """Rows of an NCHW tensor (any view: a band's rows are copied once, in row-major order) that start at
+    global row ``start`` of their level; written into ``into`` (a field of the message that carries them) when
+    given, so that the bytes are not copied again from a message of their own."""
+    rows = dpb.Rows() if into is None else into
+    rows.datatype = datatype_of(array.dtype)
+    rows.shape[:] = array.shape
+    rows.data = raw_bytes(array)
+    rows.start = start
+    return rows
 
 
 def decode_rows(message: dpb.Rows, what: str = "rows") -> tuple[np.ndarray, int]:

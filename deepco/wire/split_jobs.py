@@ -57,11 +57,13 @@ def from_rows(array: np.ndarray, rank: int) -> np.ndarray:
     return array.reshape(array.shape[:rank])
 
 
-def named_rows(outputs: Mapping[str, np.ndarray]) -> list[dpb.NamedRows]:
-    """A gathering participant's outputs as ``SplitResult.outputs``: each as NCHW rows (`to_rows`) under its
-    name, in the model's order. ValueError for an output of rank over 4."""
-    return [dpb.NamedRows(name=name, rows=encode_rows(np.ascontiguousarray(to_rows(array)), 0))
-            for name, array in outputs.items()]
+def named_rows(outputs: Mapping[str, np.ndarray], into) -> None:
+    """A gathering participant's outputs into ``into`` (``SplitResult.outputs``): each as NCHW rows (`to_rows`)
+    under its name, in the model's order, encoded in place. ValueError for an output of rank over 4 (before
+    any is added)."""
+    rows = {name: to_rows(array) for name, array in outputs.items()}
+    for name, array in rows.items():
+        encode_rows(array, 0, into=into.add(name=name).rows)
 
 
 def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
@@ -82,7 +84,9 @@ def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers
     for name, owned, crop in tensors:
         levels[-1].tensors.add(name=name, owned=[dpb.RowRange(start=a, stop=b) for a, b in owned], crop=list(crop))
     a, b = windows[0][index]
-    return dpb.SplitRequest(job_id=job_id, segment_models=list(segment_models), server_index=index, peers=list(peers),
-                            levels=levels, input=encode_rows(np.ascontiguousarray(image[:, :, a:b, :]), a),
-                            exchange_timeout_seconds=exchange_timeout, lookahead=lookahead,
-                            gather_to=gather_field(tail), tail_model=tail_model if tail == index else "")
+    request = dpb.SplitRequest(job_id=job_id, segment_models=list(segment_models), server_index=index,
+                               peers=list(peers), levels=levels, exchange_timeout_seconds=exchange_timeout,
+                               lookahead=lookahead, gather_to=gather_field(tail),
+                               tail_model=tail_model if tail == index else "")
+    encode_rows(image[:, :, a:b, :], a, into=request.input)  # the window's rows copied once, into the request
+    return request

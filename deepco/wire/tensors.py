@@ -140,7 +140,9 @@ def array_from_contents(datatype: str, shape: Sequence[int], contents: pb.InferT
 def raw_bytes(array: np.ndarray) -> bytes:
     """The protocol's raw encoding of an array: little-endian, row-major (C order)."""
     dtype = DATATYPES[datatype_of(array.dtype)]
-    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+    if array.dtype == dtype:
+        return array.tobytes(order="C")  # one copy, also of a view (a band's rows): no ascontiguousarray first
+    return array.astype(dtype, order="C").tobytes()
 
 
 def bytes_raw(items: Sequence[bytes]) -> bytes:

@@ -1,0 +1,71 @@
+"""Ctrl-C on `deepco run`: exit 130, a summary of the frames done, the frames in flight reported as cancelled
+(a line each and one JSON event in the log), no traceback. A real `deepco run` process on a real server."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from test_input_size import _conv_model
+from test_server_support import ROOT, child_env, serve_process
+
+PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
+
+
+def _lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+def test_ctrl_c_exits_130_with_a_summary_and_the_frames_in_flight_cancelled(tmp_path):
+    model = _conv_model(tmp_path / "small.onnx", 48, 64)
+    log = tmp_path / "log.jsonl"
+    with serve_process("--threads", "1") as server:
+        cluster = tmp_path / "cluster.toml"
+        cluster.write_text(f'[[servers]]\naddress = "{server.address}"\n')
+        run = subprocess.Popen([sys.executable, "-m", "deepco", "run", "--cluster", str(cluster), "--model",
+                                str(model), "--source", str(PHOTO), "--frames", "100000", "--algorithm", "offload",
+                                "--json-log", str(log)], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_lines, args=(run.stdout, lines), daemon=True).start()
+        seen: list[str] = []
+        deadline = time.monotonic() + 120
+        try:
+            while not any(line.startswith("frame ") for line in seen):  # the first result is out
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                assert line is not None and time.monotonic() < deadline, "".join(seen) + run.stderr.read()
+                seen.append(line)
+            run.send_signal(signal.SIGINT)
+            stderr = run.stderr.read()
+            assert run.wait(timeout=60) == 130, stderr
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    out = "".join(seen)
+    assert "Traceback" not in stderr and "Traceback" not in out, stderr
+    assert stderr.strip().splitlines()[-1] == "deepco run: interrupted"
+    assert " frames in " in out and "p50" in out  # the summary of the frames done
+    summary = [line for line in seen if line.startswith("interrupted: ")]
+    assert len(summary) == 1, out
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    event = records[-1]
+    assert event["event"] == "interrupted" and event["reason"] == "SIGINT (Ctrl-C)"
+    done = [r["frame"] for r in records[:-1]]
+    assert event["done"] == len(done) > 0 and event["failed"] == 0
+    cancelled = len(event["cancelled"])
+    assert summary[0].strip() == f"interrupted: {len(done)} frame(s) done, {cancelled} in flight cancelled"
+    # every frame that entered came out or is cancelled: none lost, none twice
+    assert sorted(done + event["cancelled"]) == list(range(len(done) + len(event["cancelled"])))
+    assert [f"frame {i}: cancelled (interrupted)\n" for i in event["cancelled"]] == \
+        [line for line in seen if "cancelled (interrupted)" in line]
