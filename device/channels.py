@@ -40,10 +40,7 @@ class Channels:
 
     def ready(self, server: str) -> bool:
         """Whether ``server`` says it is ready (within a second)."""
-        try:
-            return self.client(server, 0).server_ready(timeout=1.0)
-        except ServerError:
-            return False
+        return self.not_ready(server) is None
 
     def reach(self, timeout: float = REACH_SECONDS, grace: float = REACH_GRACE) -> dict[str, str]:
         """Wait for the servers to be ready, all at once: until every one is, or ``grace`` seconds after the
@@ -73,9 +70,9 @@ class Channels:
                 changed.wait(end - time.monotonic())
         for future in futures.values():
             future.cancel()
-        return {name: why for name in names if (why := self._not_ready(name)) is not None}
+        return {name: why for name in names if (why := self.not_ready(name)) is not None}
 
-    def _not_ready(self, name: str) -> str | None:
+    def not_ready(self, name: str) -> str | None:
         """None when ``name`` says it is ready, else why not in a few words (the call fails at once on a
         channel that could not connect: its error says why)."""
         try:

@@ -78,19 +78,14 @@ class Feed:
         return []
 
 
-class TakenFeed(Feed):
-    """``feed``, remembering the index of every frame it handed out (to calibration or to the pipeline): when
-    the run is interrupted, those without a result yet are the frames in flight, reported as cancelled."""
+class WrappedFeed(Feed):
+    """A feed that hands out the frames of another, ``feed``, and passes the rest of its calls on to it."""
 
     def __init__(self, feed: Feed):
         self.feed = feed
-        self.taken: set[int] = set()
 
     def take(self, timeout: float) -> Frame | None:
-        frame = self.feed.take(timeout)
-        if frame is not None:
-            self.taken.add(frame.index)
-        return frame
+        return self.feed.take(timeout)
 
     def wake(self) -> None:
         self.feed.wake()
@@ -100,6 +95,21 @@ class TakenFeed(Feed):
 
     def drops(self) -> list[Dropped]:
         return self.feed.drops()
+
+
+class TakenFeed(WrappedFeed):
+    """``feed``, remembering the index of every frame it handed out (to calibration or to the pipeline): when
+    the run is interrupted, those without a result yet are the frames in flight, reported as cancelled."""
+
+    def __init__(self, feed: Feed):
+        super().__init__(feed)
+        self.taken: set[int] = set()
+
+    def take(self, timeout: float) -> Frame | None:
+        frame = self.feed.take(timeout)
+        if frame is not None:
+            self.taken.add(frame.index)
+        return frame
 
 
 class IterFeed(Feed):
@@ -229,21 +239,13 @@ class LiveFeed(Feed):
         return out
 
 
-class ResumedFeed(Feed):
+class ResumedFeed(WrappedFeed):
     """``feed`` with ``first`` (frames already taken from it, in order) handed out again before its own: the
     frames a failed server gave back during calibration on live frames (device.planner.LiveFrames)."""
 
     def __init__(self, first: list[Frame], feed: Feed):
-        self._first, self._feed = list(first), feed
+        super().__init__(feed)
+        self._first = list(first)
 
     def take(self, timeout: float) -> Frame | None:
-        return self._first.pop(0) if self._first else self._feed.take(timeout)
-
-    def wake(self) -> None:
-        self._feed.wake()
-
-    def close(self) -> None:
-        self._feed.close()
-
-    def drops(self) -> list[Dropped]:
-        return self._feed.drops()
+        return self._first.pop(0) if self._first else self.feed.take(timeout)

@@ -218,8 +218,10 @@ class Health:
             self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.brief()}: {what}" if trial
                                                      else f"no plan: {what}"))
             trial = None
-        if trial is None:  # not a line: on a busy machine change points come often, and nothing changes
+        if trial is None:  # not a line on a change point (on a busy machine they come often, and nothing changes)
             self.device.events.append({"event": "kept", "why": why, "at": time.perf_counter()})
+            if margin == -math.inf:  # but servers back and left idle are said (the plan has no work for them)
+                self.device.log(f"adapt: {why}, but the plan with them is the running one: {running.plan.brief()}")
         with self.lock:
             self._considering = False
             if trial is not None and self.runner is running:

@@ -81,9 +81,11 @@ def save_plan(path: str, model: str, height: int, width: int, plan: StagedPlan) 
         json.dump(plan_document(model, height, width, plan), f, indent=1)
 
 
-def load_plan(path: str, model: str, height: int, width: int, servers: list[str]) -> StagedPlan:
+def load_plan(path: str, model: str, height: int, width: int, servers: list[str],
+              down: dict[str, str] | None = None) -> StagedPlan:
     """The plan `save_plan` wrote to ``path``; a UserError when it was made for another model or input size,
-    or names a server the cluster has not."""
+    names a server the cluster has not, or one that is ``down`` (name -> why, in words). A saved plan is run
+    as saved or not at all: to start on the servers that are up, plan again (run without --plan)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -93,7 +95,12 @@ def load_plan(path: str, model: str, height: int, width: int, servers: list[str]
     if data.get("model") != model or data.get("input_size") != [height, width]:
         raise UserError(f"--plan {path} was made for {data.get('model')} at {data.get('input_size')}, not for "
                         f"{model} at {[height, width]}")
-    unknown = sorted(set(plan.servers) - set(servers) - {DEVICE})
+    gone = [name for name in plan.servers if name in (down or {})]
+    if gone:
+        raise UserError(f"--plan {path} runs on {', '.join(f'{n} ({down[n]})' for n in gone)}, which "
+                        f"{'is' if len(gone) == 1 else 'are'} down; start it, or run without --plan to plan on "
+                        "the servers that are up")
+    unknown = sorted(set(plan.servers) - set(servers) - set(down or {}) - {DEVICE})
     if unknown:
         raise UserError(f"--plan {path} uses server(s) {', '.join(unknown)} that the cluster file does not name")
     return plan

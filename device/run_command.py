@@ -343,7 +343,8 @@ def _plan(args: argparse.Namespace, dev, cache: _PlanCacheUse | None, feed,
     elif args.plan is not None:
         from deepco_device.plan_command import load_plan
 
-        plan = load_plan(args.plan, args.model, dev.height, dev.width, planner.servers())
+        down = {name: f"{dev.pool.client(name, 0).address}: {why}" for name, why in dev.reach().items()}
+        plan = load_plan(args.plan, args.model, dev.height, dev.width, planner.servers(), down)
     elif args.objective == "slo":
         choice = planner.choose_slo(args.max_latency / 1e3)
         plan, depth = choice.option.plan, choice.option.depth

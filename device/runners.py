@@ -50,6 +50,16 @@ if TYPE_CHECKING:
     from deepco_device.session import Device
 
 
+def paced(began: float, nbytes: int, bytes_per_second: float) -> None:
+    """EMULATED bandwidth (app-level pacing on a fast link): wait until ``nbytes`` sent from ``began`` would have
+    arrived, before sending them. Sent first and held after, the server would compute while the link was
+    still "carrying" its input, hiding its compute behind the transfer: an offload on a slow link measured about
+    the transfer time alone, where a real link adds the two (and the cost model does)."""
+    pause = began + nbytes / bytes_per_second - time.perf_counter()
+    if pause > 0:
+        time.sleep(pause)
+
+
 class _InFlight:
     """The gRPC calls of the frames in flight, so that a run that stops can cancel them all at once (a frozen
     server would otherwise hold each of them until its deadline)."""
@@ -228,13 +238,10 @@ class OffloadRunner(StagedRunner):
         client = self.device.client(self.index[server], antenna)
         calls: list[Any] = []
         try:
+            if self.device.pace:  # EMULATED bandwidth, as a split plan's senders pace: see `paced`
+                paced(start, x.nbytes, self.device.measured.antenna_bytes_per_second[antenna])
             handle = client.start_run(self.whole_name, {self.whole_input: x}, timeout=self.timeout,
                                       started=lambda call: (calls.append(call), self._inflight.add(call, server)))
-            if self.device.pace:  # hold the antenna as a split plan's senders do (EMULATED bandwidth)
-                pause = start + x.nbytes / self.device.measured.antenna_bytes_per_second[antenna] \
-                    - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
             sent = time.perf_counter() - start
             outputs, wire_times = handle.result()
         finally:
@@ -344,7 +351,7 @@ class SplitRunner(StagedRunner):
         return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
                            windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
                            lookahead=plan.lookahead, tail=plan.servers.index(plan.tail) if plan.tail else None,
-                           tail_model=self.tail_name)
+                           tail_model=self.tail_name, parts=plan.overlap)
 
     def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
@@ -389,6 +396,9 @@ class SplitRunner(StagedRunner):
             began = time.perf_counter()
             sends.send_start[i] = began - start
             try:
+                if dev.pace:  # hold the antenna for as long as these bytes take at its bandwidth (EMULATED)
+                    a, b = plan.windows[0][i]
+                    paced(began, (b - a) * self.row_bytes, dev.measured.antenna_bytes_per_second[m])
                 handle = client.start_split(self.request(job, i, x), timeout=self.timeout)
                 self._inflight.add(handle.call, plan.servers[i])
                 calls.callback(self._inflight.discard, handle.call)
@@ -402,12 +412,6 @@ class SplitRunner(StagedRunner):
             except BaseException as exc:  # noqa: BLE001 - the frame's thread raises it
                 sends.crashed.append(exc)
                 return
-            if dev.pace:  # hold the antenna for as long as these bytes take at its bandwidth (EMULATED)
-                a, b = plan.windows[0][i]
-                pause = began + (b - a) * self.row_bytes / dev.measured.antenna_bytes_per_second[m] \
-                    - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
             sends.sent_at[i] = time.perf_counter() - start
 
     def _own_band(self, x: np.ndarray, start: float, results: dict[int, tuple[dpb.SplitResult, float]]) -> Any:

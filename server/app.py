@@ -68,6 +68,7 @@ class ServeConfig:
     threads: int = 0
     max_models: int = 8
     max_inflight: int = 4
+    concurrent_runs: int = 1  # of the admitted inference requests, how many run at once (the rest wait)
     grace: float = 30.0  # seconds in-flight requests get to finish on shutdown
     max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES  # uploaded ONNX bytes held at once, all models together
     max_queue: int | None = None  # control calls waiting for a control thread; None: server.budgets' default
@@ -87,8 +88,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         # The one check of the limits: the command line's parsers check them too, but a config made in code
         # (tests, bench/) comes here without them.
-        if self.max_models < 1 or self.max_inflight < 1:
-            raise UserError("--max-models and --max-inflight must be >= 1")
+        if self.max_models < 1 or self.max_inflight < 1 or self.concurrent_runs < 1:
+            raise UserError("--max-models, --max-inflight and --concurrent-runs must be >= 1")
         if self.max_model_bytes < 1 or (self.max_queue is not None and self.max_queue < 0):
             raise UserError("--max-model-bytes must be >= 1 and --max-queue >= 0")
         if self.model_lease < 0 or self.max_request_bytes < 1 or self.stream_idle_seconds <= 0:
@@ -148,7 +149,8 @@ class Server:
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
                             lease=config.model_lease or None, max_request_bytes=config.max_request_bytes)
         self.refusals = Refusals()
-        self.state = ServerState(registry, Admission(config.max_inflight), self.peer_security, config.peers,
+        admission = Admission(config.max_inflight, config.concurrent_runs)
+        self.state = ServerState(registry, admission, self.peer_security, config.peers,
                                  refusals=self.refusals)
         # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
         self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=config.max_inflight + 2,
@@ -242,8 +244,8 @@ def serve(config: ServeConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     server = Server(config)
     log.info("execution provider %s (device %s, --device %s), intra-op threads %s, max models %d, "
-             "max in-flight %d", server.runtime.provider, server.runtime.device, config.device,
-             config.threads or "ORT default", config.max_models, config.max_inflight)
+             "max in-flight %d, runs at once %d", server.runtime.provider, server.runtime.device, config.device,
+             config.threads or "ORT default", config.max_models, config.max_inflight, config.concurrent_runs)
     log.info("TLS %s, token %s, max model bytes %d, max request bytes %d, model lease %s, max queue %d, "
              "max held bytes %d, split-job peers %s, metrics %s",
              ("mutual" if config.security.ca else "on") if config.security.tls else "off",

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=_int_at_least(1), default=4, metavar="N",
                    help="inference requests running at once; the excess is refused with RESOURCE_EXHAUSTED "
                         "(default: 4)")
+    p.add_argument("--concurrent-runs", type=_int_at_least(1), default=1, metavar="N",
+                   help="of the admitted inference requests, how many run at once; the rest wait their turn "
+                        "(default: 1, like Triton's one instance per model: ONNX Runtime already spreads one run "
+                        "over the cores, and two at once on one CPU share only slow each other down)")
     p.add_argument("--grace", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long in-flight requests may still run (default: 30)")
     p.add_argument("--max-model-bytes", type=_int_at_least(1), default=1 << 30, metavar="BYTES",
@@ -131,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     token = read_token_file(args.token_file) if args.token_file is not None else args.token
     security = ServerSecurity(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, token=token)
     return serve(ServeConfig(host=args.host, port=args.port, device=args.device, threads=args.threads,
-                             max_models=args.max_models, max_inflight=args.max_inflight, grace=args.grace,
+                             max_models=args.max_models, max_inflight=args.max_inflight,
+                             concurrent_runs=args.concurrent_runs, grace=args.grace,
                              max_model_bytes=args.max_model_bytes, max_queue=args.max_queue, security=security,
                              metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                              log_format=args.log_format, model_lease=args.model_lease,

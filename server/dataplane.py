@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 from deepco_server.errors import ResourceExhausted
@@ -20,33 +21,51 @@ from deepco.wire.security import ChannelSecurity
 
 
 class Admission:
-    """At most ``limit`` compute requests (ModelInfer, Profile) at once; the excess is refused at once.
+    """At most ``limit`` compute requests (ModelInfer, Profile, a slice) admitted at once, the excess refused
+    at once; of those, at most ``running`` run at once and the rest wait their turn.
 
     Refusing (RESOURCE_EXHAUSTED) rather than queueing keeps latency bounded and tells the device to try
     another server, which is what a partitioned frame with a deadline wants.
+
+    Running one at a time is Triton's default too (one execution instance per model): ONNX Runtime already
+    spreads one run over the cores it is given, so two runs at once on one CPU share only slow each other
+    down. On a server held to 0.45 core, ResNet-18 at 224x224 sent two frames at a time: taking turns, 7.5 runs
+    a second at a median of 198 ms; both at once, 7.2 at 288 ms (bench/concurrent_runs.py, bench/README.md).
+    The planner's cost model charges a server's frames one after another, which this makes true.
     """
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, running: int = 1):
+        self.limit, self.running = limit, running
         self._slots = threading.BoundedSemaphore(limit)
+        self._turns = threading.BoundedSemaphore(running)
 
     def __enter__(self) -> Admission:
         if not self._slots.acquire(blocking=False):
             raise ResourceExhausted(f"server busy: {self.limit} inference requests already in flight "
                                     "(--max-inflight); retry later or elsewhere")
+        self._turns.acquire()  # at most `limit` wait here, each for runs already admitted
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._turns.release()
         self._slots.release()
 
     @contextlib.contextmanager
     def waiting(self, timeout: float) -> Iterator[None]:
-        """Like ``with admission:``, but wait up to ``timeout`` seconds for a slot (a pipelined slice)."""
+        """Like ``with admission:``, but wait up to ``timeout`` seconds for a slot and a turn (a pipelined
+        slice)."""
+        deadline = time.monotonic() + timeout
         if not self._slots.acquire(timeout=timeout):
             raise ResourceExhausted(f"server busy: no compute slot free within {timeout:g}s "
                                     f"(--max-inflight {self.limit})")
         try:
-            yield
+            if not self._turns.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise ResourceExhausted(f"server busy: no turn to run within {timeout:g}s "
+                                        f"(--concurrent-runs {self.running})")
+            try:
+                yield
+            finally:
+                self._turns.release()
         finally:
             self._slots.release()
 
@@ -76,5 +95,5 @@ class ServerState:
         return [*EXTENSIONS, "deepco_profile", f"deepco_device={runtime.device}",
                 f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
                 f"deepco_max_models={registry.max_models}", f"deepco_max_model_bytes={registry.max_model_bytes}",
-                f"deepco_max_inflight={self.admission.limit}",
+                f"deepco_max_inflight={self.admission.limit}", f"deepco_concurrent_runs={self.admission.running}",
                 *([f"deepco_server_id={self.server_id}"] if self.server_id else [])]

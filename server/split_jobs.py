@@ -53,6 +53,7 @@ from deepco_server.security import is_loopback
 
 from deepco.parsing import split_address
 from deepco.planning.bands import NOT_A_SERVER, check_tables, receives, sends
+from deepco.planning.overlap import MAX_PARTS
 from deepco.planning.plan import PlanningError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
@@ -309,6 +310,15 @@ class Job:
     tail: object | None = None  # LoadedModel
     # a last level of several tensors (one stage, lookahead): (name, band per server, crop per server) each
     tensors: list[tuple[str, list[tuple[int, int]], list[int]]] = field(default_factory=list)
+    # per level, this server's segment runs (SplitLevel.parts: interior first, then the borders as the halo
+    # lands), each ((rows), (window), crop); an empty list runs the segment once on its window
+    parts: list[list[tuple[tuple[int, int], tuple[int, int], int]]] = field(default_factory=list)
+
+    def runs(self, j: int) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
+        """The runs of segment ``j`` here: its parts, or one run on the whole window."""
+        if j < len(self.parts) and self.parts[j]:
+            return self.parts[j]
+        return [(self.bands[j][self.me], self.windows[j][self.me], self.crops[j][self.me])]
 
     def receives(self, level: int) -> dict[int, tuple[int, int]]:
         """Rows of ``level`` this server gets from each peer before segment ``level`` + 1."""
@@ -337,6 +347,34 @@ class Job:
         if self.gather_to == self.me:
             feeders |= set(range(len(self.peers))) - {self.me}
         return 1 + len(feeders)
+
+
+class Held:
+    """The rows of one level a job holds for its next segment: its own band, and each peer's rows once taken
+    (a peer's are taken when a run's window first needs them, so the interior runs while they are in flight)."""
+
+    def __init__(self, job: Job, level: int, own: tuple[int, int], band: np.ndarray):
+        self.job, self.level = job, level
+        self.pieces: list[tuple[int, np.ndarray]] = [(own[0], band)]
+        self.pending = job.receives(level)  # peer -> its rows [a, b) not taken yet
+
+    def window(self, lo: int, hi: int, take: Callable[[int, tuple[int, int]], np.ndarray], clock: StepClock,
+               j: int) -> np.ndarray:
+        """Rows [lo, hi) of the level (contiguous), waiting (timed as halo) for the peers' rows among them;
+        ``take(peer, rows)`` waits for a peer's rows."""
+        needed = [peer for peer, (a, b) in self.pending.items() if a < hi and lo < b]
+        if needed:
+            waited = time.perf_counter()
+            for peer in needed:
+                self.pieces.append((self.pending[peer][0], take(peer, self.pending.pop(peer))))
+            clock.since("halo", waited, j)
+        parts = sorted((max(lo, a), array[:, :, max(lo, a) - a:min(hi, a + array.shape[2]) - a])
+                       for a, array in self.pieces if a < hi and lo < a + array.shape[2])
+        window = parts[0][1] if len(parts) == 1 else np.concatenate([x for _, x in parts], axis=2)
+        if window.shape[2] != hi - lo:
+            raise Internal(f"split job {self.job.id!r}: assembled {window.shape[2]} rows of level {self.level}, "
+                           f"expected [{lo}, {hi})")
+        return np.ascontiguousarray(window)
 
 
 def _interval(r: dpb.RowRange) -> tuple[int, int]:
@@ -417,7 +455,7 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
         if len(tail.inputs) != 1:
             raise invalid(f"SplitRun: tail model {tail.name!r} must have one input")
     result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
-                 tail, tensors)
+                 tail, tensors, [_parts(level, me, bands[j], windows[j], j) for j, level in enumerate(request.levels)])
     talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
     if gather_to is not None:
         talks_to |= {gather_to} if gather_to != me else set(range(len(peers))) - {me}
@@ -432,6 +470,33 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
             raise PermissionDenied(f"SplitRun: peer {peers[k][:80]!r} is not an allowed peer of this server; start "
                                    "it with --peers listing its split-job peers (loopback is always allowed)")
     return result
+
+
+def _parts(level: dpb.SplitLevel, me: int, bands: list[tuple[int, int]], windows: list[tuple[int, int]],
+           j: int) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
+    """This server's checked runs of level ``j``'s segment (SplitLevel.parts): their rows tile its band, each
+    window lies in its window of the level before, crops are non-negative; [] when it has none."""
+    if not level.parts:
+        return []
+    if j == 0 or len(level.parts) != len(bands):
+        raise invalid(f"SplitRun: level {j} lists parts for {len(level.parts)} servers; a segment's level needs one "
+                      f"list per server ({len(bands)})")
+    runs = [(_interval(p.rows), _interval(p.window), int(p.crop)) for p in level.parts[me].part]
+    if not runs:
+        return []
+    if len(runs) > MAX_PARTS:  # each part is an ORT run: a band cut row by row would multiply the job's compute
+        raise invalid(f"SplitRun: level {j} lists {len(runs)} parts for this server; at most {MAX_PARTS} (the "
+                      "interior and the two borders)")
+    lo, hi = windows[me]
+    cursor, rows = bands[me][0], sorted(r for r, _, _ in runs)
+    for a, b in rows:
+        if a != cursor or b <= a:
+            break
+        cursor = b
+    if cursor != bands[me][1] or any(not (lo <= w[0] < w[1] <= hi) or c < 0 for _, w, c in runs):
+        raise invalid(f"SplitRun: the parts of level {j} must tile this server's band {list(bands[me])} with windows "
+                      f"inside its window [{lo}, {hi}) and non-negative crops")
+    return runs
 
 
 def _level_tensors(request: dpb.SplitRequest, segment, servers: int) -> list[tuple[str, list[tuple[int, int]],
@@ -574,33 +639,23 @@ class SplitJobs:
             clock.since("send", sending, j)
             result.messages_sent += 1
             result.bytes_sent += piece.nbytes
-        lo, hi = job.windows[j][job.me]
         if j == 1 and job.lookahead:
-            own = (lo, hi)  # the device sent the whole window
-        pieces: list[tuple[int, np.ndarray]] = []
-        mine = (max(lo, own[0]), min(hi, own[1]))
-        if mine[0] < mine[1]:
-            pieces.append((mine[0], band[:, :, mine[0] - own[0]:mine[1] - own[0]]))
-        receives = job.receives(level)
-        if receives:
-            waited = time.perf_counter()
-            for peer, rows in receives.items():
-                pieces.append((rows[0], self._take(job, level, peer, rows, band, outgoing, active, result)))
-            clock.since("halo", waited, j)
-        pieces.sort(key=lambda p: p[0])
-        window = pieces[0][1] if len(pieces) == 1 else np.concatenate([p for _, p in pieces], axis=2)
-        window = np.ascontiguousarray(window)
-        if window.shape[2] != hi - lo:
-            raise Internal(f"split job {job.id!r}: assembled {window.shape[2]} rows of level {level}, "
-                           f"expected [{lo}, {hi})")
-        y = self._compute(job, model, {model.inputs[0].name: window}, [model.outputs[0].name], clock, j)
-        y = y[model.outputs[0].name]
-        crop = job.crops[j][job.me]
-        a, b = job.bands[j][job.me]
-        if crop + (b - a) > y.shape[2]:
-            raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
-                          f"[{lo}, {hi}); crop {crop} + band {b - a} does not fit")
-        return y[:, :, crop:crop + b - a]
+            own = job.windows[j][job.me]  # the device sent the whole window
+        held = Held(job, level, own, band)
+        def take(peer: int, rows: tuple[int, int]) -> np.ndarray:
+            return self._take(job, level, peer, rows, band, outgoing, active, result)
+
+        rows: list[tuple[int, np.ndarray]] = []
+        for (a, b), (lo, hi), crop in job.runs(j):  # the interior first: it needs no peer's rows
+            window = held.window(lo, hi, take, clock, j)
+            y = self._compute(job, model, {model.inputs[0].name: window}, [model.outputs[0].name], clock, j)
+            y = y[model.outputs[0].name]
+            if crop + (b - a) > y.shape[2]:
+                raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
+                              f"[{lo}, {hi}); crop {crop} + rows {b - a} does not fit")
+            rows.append((a, y[:, :, crop:crop + b - a]))
+        rows.sort(key=lambda r: r[0])
+        return rows[0][1] if len(rows) == 1 else np.concatenate([r for _, r in rows], axis=2)
 
     def _compute(self, job: Job, model, feeds: dict[str, np.ndarray], outputs: list[str], clock: StepClock,
                  level: int) -> dict[str, np.ndarray]:

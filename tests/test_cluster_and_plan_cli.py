@@ -274,10 +274,11 @@ def test_plan_with_a_model_is_a_dry_run_on_the_real_servers(address_only):
     assert result.returncode == 2 and "give --model" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("algorithm", ["local", "offload", "round-robin", "thread"])
+@pytest.mark.parametrize("algorithm", ["auto", "local", "offload", "round-robin", "thread"])
 def test_a_saved_plan_runs_exactly_as_saved(address_only, tmp_path, algorithm):
     """`deepco plan --model ... --save F.json` writes the plan and `deepco run --plan F.json` runs it: the same
-    kind, servers and stages (every plan kind forced this way: local, offload, round-robin and a split)."""
+    kind, servers and stages (auto's choice, and every plan kind forced: local, offload, round-robin, a split).
+    `plan` once refused auto, `run`'s default (issue 31)."""
     from deepco.planning.staged import StagedPlan
 
     cluster, model, addresses = address_only
@@ -286,7 +287,7 @@ def test_a_saved_plan_runs_exactly_as_saved(address_only, tmp_path, algorithm):
                     "--algorithm", algorithm, "--save", str(saved), timeout=300)
     assert result.returncode == 0, result.stderr
     plan = StagedPlan.from_dict(json.loads(saved.read_text())["plan"])
-    kind = {"thread": "split"}.get(algorithm, algorithm)
+    kind = {"thread": "split", "auto": plan.kind}.get(algorithm, algorithm)  # auto: whichever it chose
     assert plan.kind == kind and set(plan.servers) <= {*addresses, "@device"}
     result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "64x64",
                     "--source", str(PHOTO), "--frames", "2", "--plan", str(saved), timeout=300)
@@ -298,3 +299,31 @@ def test_a_saved_plan_runs_exactly_as_saved(address_only, tmp_path, algorithm):
         result = deepco("run", "--cluster", str(cluster), "--model", str(model), "--input-size", "32x32",
                         "--source", str(PHOTO), "--frames", "1", "--plan", str(saved), timeout=300)
         assert result.returncode == 2 and "was made for" in result.stderr
+
+
+def test_a_saved_plan_on_a_server_that_is_down_is_one_line_naming_it(address_only, tmp_path):
+    """A saved plan runs as saved or not at all: when a server it runs on is down, `deepco run --plan` says which
+    and why in one line (to start on the servers that are up, run without --plan: the planner plans for them)."""
+    import socket
+
+    from deepco.planning.staged import StagedPlan
+
+    _, model, (a, b) = address_only
+    with socket.socket() as s:  # a port nothing listens on: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    up, half = tmp_path / "up.toml", tmp_path / "half.toml"
+    up.write_text(f'[[servers]]\nname = "s0"\naddress = "{a}"\n\n[[servers]]\nname = "s1"\naddress = "{b}"\n')
+    half.write_text(f'[[servers]]\nname = "s0"\naddress = "{a}"\n\n[[servers]]\nname = "s1"\n'
+                    f'address = "127.0.0.1:{dead}"\n')
+    saved = tmp_path / "plan.json"
+    result = deepco("plan", "--cluster", str(up), "--model", str(model), "--input-size", "64x64",
+                    "--algorithm", "equal", "--save", str(saved), timeout=300)  # equal: every server, s1 too
+    assert result.returncode == 0, result.stderr
+    assert "s1" in StagedPlan.from_dict(json.loads(saved.read_text())["plan"]).servers
+    result = deepco("run", "--cluster", str(half), "--model", str(model), "--input-size", "64x64",
+                    "--source", str(PHOTO), "--frames", "1", "--plan", str(saved), timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"deepco run: error: --plan {saved} runs on s1 (127.0.0.1:{dead}: connection refused), which is down; "
+        "start it, or run without --plan to plan on the servers that are up"]

@@ -1,9 +1,16 @@
-"""The demo's comparison reads the right way round (it once printed "auto's p50 is 4.37x local's (higher:
-auto faster)")."""
+"""The demo's words: its comparison reads the right way round (it once printed "auto's p50 is 4.37x local's
+(higher: auto faster)"), its picture's title agrees with auto's choice, its errors have one prefix, and its
+defaults are the `demo` preset of `deepco bench`."""
 
 from __future__ import annotations
 
-from deepco_bench.demo import speed_ratio, verdict
+import argparse
+import subprocess
+import sys
+
+from deepco_bench.bench_command import PRESETS
+from deepco_bench.demo import add_arguments, shown_plan, speed_ratio, verdict
+from test_server_support import ROOT, child_env
 
 
 def test_a_faster_auto_is_called_faster_and_a_slower_one_slower():
@@ -31,3 +38,42 @@ def test_an_auto_that_runs_the_offload_plan_says_so_instead_of_a_ratio():
     said = verdict(rows, emulated=True)
     assert said[0].startswith("DeepCo's auto plan is the offload plan here") and len(said) == 2
     assert said[1] == "auto is 2.20x faster than local (p50 41.0 ms vs 90.0 ms)"
+
+
+def _plan(kind: str, predicted_ms: float) -> dict:
+    return {"kind": kind, "predicted": predicted_ms / 1e3}
+
+
+def test_the_picture_draws_auto_and_a_split_not_chosen_only_with_predictions_that_agree_with_the_choice():
+    split = _plan("split", 36.6)
+    chose_split = {"plans": {"auto": {"plan": split}}, "best_split": split}
+    assert shown_plan(chose_split) == (split, "DeepCo's plan (auto)")
+    # the issue's run: auto chose offload (by measurement), the split not chosen was predicted faster
+    offload = {"plans": {"auto": {"plan": _plan("offload", 46.5)}}, "best_split": split}
+    shown, title = shown_plan(offload)
+    assert shown is split and title == ("auto chose offload; shown: the best split plan, not chosen (predicted "
+                                        "36.6 ms vs 46.5 ms, but slower than offload when calibration timed them)")
+    slower = {"plans": {"auto": {"plan": _plan("local", 30.0)}}, "best_split": split}
+    assert shown_plan(slower)[1].endswith("not chosen (predicted 36.6 ms vs 30.0 ms)")
+    alone = {"plans": {"auto": {"plan": _plan("local", 30.0)}}, "best_split": None}
+    assert shown_plan(alone)[0]["kind"] == "local"
+
+
+def test_a_refused_flag_is_one_line_with_one_prefix():
+    """It once printed `deepco demo: error: demo: ...`."""
+    done = subprocess.run([sys.executable, "-m", "deepco", "demo", "--servers", "0"], capture_output=True,
+                          text=True, cwd=ROOT, env=child_env(), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == ["deepco demo: error: --servers must be in 1..16, got 0"]
+
+
+def test_the_demos_defaults_are_the_bench_demo_preset():
+    """A benchmark row backs the demo's claim: `deepco bench --preset demo` measures the demo's setting."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    demo, preset = p.parse_args([]), PRESETS["demo"]
+    assert (demo.servers, demo.antennas, demo.bandwidth, demo.camera_cpu, demo.model, demo.input_size) == (
+        preset["servers"], preset["antennas"], preset["bandwidth"], preset["device_share"], preset["model"],
+        preset["input_size"])
+    # the demo's unlimited servers (0) are a whole core each on the testbed
+    assert preset["shares"] == ",".join([f"{demo.server_cpu or 1:g}"] * demo.servers)

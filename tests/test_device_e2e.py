@@ -177,6 +177,7 @@ def test_demo_compares_local_offload_and_auto_exactly_and_draws_the_plan(workdir
     assert result.returncode == 0, result.stderr + result.stdout
     out = result.stdout
     assert "EMULATED" in out and "servers stopped" in out
+    assert not [line for line in out.splitlines() if line.startswith("demo: error")]  # the legend is no error
     assert "weak camera: the device process runs under a cgroup CPU quota" in out or "cannot emulate" in out
     rows = {r["plan"]: r for r in json.loads(report.read_text())["rows"]}
     assert set(rows) == {"local", "offload", "auto"}

@@ -125,3 +125,21 @@ def test_a_replan_is_one_short_line_even_with_host_port_names_and_many_servers()
     health.failed(first, ServerError(f"addr-{names[3]}", grpc.StatusCode.UNAVAILABLE, "gone"))
     assert len(device.lines) == 1 and len(device.lines[0]) <= 160, device.lines  # it was about 300
     assert device.lines[0].endswith("split over 3 servers, rows 32/32/32, 2 stages, tail on 10.0.0.11:50051")
+
+def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
+    health, device, calls, first = make_health(["s0", "s1", "s2"])
+
+    class Adapt:  # the plan with s2 back is the running one (e.g. two rows for three servers)
+        live = SimpleNamespace(restart=lambda: None)
+
+        def candidate(self, running, down, why, margin=None, quick=True):
+            return None
+
+    health.adapt = Adapt()
+    health.background = lambda fn, *args: fn(*args)
+    health.failed(first, ServerError("addr-s2", grpc.StatusCode.UNAVAILABLE, "gone"))
+    health._probed = 0.0
+    health.rejoin()
+    assert device.lines[-2:] == ["server s2 is back",
+                                 "adapt: s2 back, but the plan with them is the running one: split over 2 servers"]
+    assert health.current().plan.servers == ["s0", "s1"]

@@ -21,7 +21,6 @@ from test_server_support import (
     ServeProcess,
     child_env,
     conv_model,
-    heavy_model,
     metric_sum,
     reference,
     scrape,
@@ -113,7 +112,9 @@ def _refused(address: str) -> bool:
 
 
 def test_sigterm_finishes_in_flight_request_then_exits_zero() -> None:
-    model = heavy_model()
+    # Three times the heavy model's depth: the request must still run after the refusal of new calls is seen
+    # and the gauge scraped, which on a loaded 2-core machine took longer than the heavy model's run once.
+    model = conv_model(channels=(3, *[64] * 16, 4))
     x = np.random.default_rng(3).standard_normal(HEAVY_SHAPE).astype(np.float32)
     with serve_process("--threads", "1", "--metrics-port", "0") as server:
         metrics_port = _metrics_port(server)

@@ -89,3 +89,25 @@ def test_concurrent_runs_from_threads_all_complete(client):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errors
+
+
+@pytest.mark.parametrize("runs", [1, 2])
+def test_admitted_runs_take_turns_unless_told_to_run_together(runs):
+    # Four may be admitted; by default one runs at a time (the second waits its turn, counted as queue time),
+    # and --concurrent-runs 2 lets two run at once.
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_inflight=4, concurrent_runs=runs))
+    try:
+        with InferenceClient(srv.address) as c:
+            c.load_model(heavy_model(), "heavy")
+            assert c.server_metadata()["deepco_concurrent_runs"] == str(runs)
+            x = np.zeros(HEAVY_SHAPE, np.float32)
+            first, second = c.start_run("heavy", {"input": x}), c.start_run("heavy", {"input": x})
+            (out1, times1), (out2, times2) = first.result(), second.result()
+            np.testing.assert_array_equal(next(iter(out1.values())), next(iter(out2.values())))
+            waited = max(times1.queue_seconds, times2.queue_seconds)
+            if runs == 1:
+                assert waited > 0.5 * min(times1.compute_seconds, times2.compute_seconds)
+            else:
+                assert waited < 0.5 * min(times1.compute_seconds, times2.compute_seconds)
+    finally:
+        srv.stop(grace=1)

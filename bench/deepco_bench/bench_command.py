@@ -48,6 +48,10 @@ PRESETS: dict[str, dict] = {
     # the paper's setting on this machine: a weak camera, four edge servers on one site's LAN, a camera frame
     "camera": {"servers": 4, "antennas": 2, "bandwidth": 100.0, "shares": "0.45,0.45,0.35,0.35",
                "device_share": 0.1, "peer_bandwidth": "lan", "model": "resnet18", "input_size": "720x1280"},
+    # `deepco demo`'s setting (bench/deepco_bench/demo.py): a weak camera, three servers with a whole core each (the
+    # demo's share the machine's two), two antennas at 40 Mbit/s; a benchmark row for the demo's claim
+    "demo": {"servers": 3, "antennas": 2, "bandwidth": 40.0, "shares": "1,1,1", "device_share": 0.2,
+             "peer_bandwidth": "lan", "model": "efficientnet-lite0", "input_size": "224x224"},
     # the paper's Section VI ratios as far as two cores allow: compute dominates (fast links, weak device)
     "paper": {"servers": 4, "antennas": 2, "bandwidth": 400.0, "shares": "0.4,0.4,0.35,0.35",
               "device_share": 0.1, "peer_bandwidth": "lan", "model": "resnet18", "input_size": "224x224"},

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,9 +104,29 @@ def cgroup_root() -> tuple[str, Path] | None:
     return None
 
 
-def cpu_quota_of(pid: int) -> float | None:
-    """The CPU quota (cores) of process ``pid``'s cpu cgroup, or None if it has none (or none can be read).
-    Read from outside the testbed's namespaces: `ip netns exec` mounts a sysfs of its own, without cgroups."""
+@contextlib.contextmanager
+def cpu_quota_group(name: str, share: float, period_us: int = 100_000) -> Iterator[Path]:
+    """A cpu cgroup ``name`` holding ``share`` of a core per ``period_us``; yields its ``cgroup.procs`` (write a
+    pid there to put a process in it) and removes the group after (its processes must have ended)."""
+    found = cgroup_root()
+    if found is None:
+        raise UserError("a CPU quota needs root and a writable cpu cgroup controller")
+    version, root = found
+    group = root / name
+    group.mkdir()
+    try:
+        if version == "v1":
+            (group / "cpu.cfs_period_us").write_text(str(period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(round(share * period_us)))
+        else:
+            (group / "cpu.max").write_text(f"{round(share * period_us)} {period_us}")
+        yield group / "cgroup.procs"
+    finally:
+        group.rmdir()
+
+
+def cpu_group_of(pid: int | str = "self") -> Path | None:
+    """The directory of process ``pid``'s cpu cgroup, or None where there is no cpu cgroup hierarchy."""
     root = cgroup_root()
     if root is None:
         return None
@@ -113,16 +134,24 @@ def cpu_quota_of(pid: int) -> float | None:
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if (version == "v2" and controllers == "") or (version == "v1" and "cpu" in controllers.split(",")):
-            group = base / path.lstrip("/")
-            try:
-                if version == "v2":
-                    quota, period = (group / "cpu.max").read_text().split()
-                    return None if quota == "max" else int(quota) / int(period)
-                quota = int((group / "cpu.cfs_quota_us").read_text())
-                return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
-            except (OSError, ValueError):
-                return None
+            return base / path.lstrip("/")
     return None
+
+
+def cpu_quota_of(pid: int) -> float | None:
+    """The CPU quota (cores) of process ``pid``'s cpu cgroup, or None if it has none (or none can be read).
+    Read from outside the testbed's namespaces: `ip netns exec` mounts a sysfs of its own, without cgroups."""
+    group = cpu_group_of(pid)
+    if group is None:
+        return None
+    try:
+        if (group / "cpu.max").exists():  # v2
+            quota, period = (group / "cpu.max").read_text().split()
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -147,8 +176,9 @@ def leftovers(prefix: str = "dc") -> dict[str, list[str]]:
     return found
 
 
-def remove_everything(prefix: str) -> None:
-    """Kill what runs in the prefix's namespaces and cgroups, then delete namespaces, links and cgroups."""
+def remove_everything(prefix: str, cgroups: Path | None = None) -> None:
+    """Kill what runs in the prefix's namespaces and cgroups, then delete namespaces, links and cgroups
+    (``cgroups``: the folder the groups are in, by default the cpu hierarchy's root)."""
     mine = leftovers(prefix)
     for ns in mine["netns"]:
         pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
@@ -157,8 +187,10 @@ def remove_everything(prefix: str) -> None:
                 os.kill(int(pid), signal.SIGKILL)
     root = cgroup_root()
     if root is not None:
-        for name in mine["cgroups"]:
-            group = root[1] / name
+        base = cgroups or root[1]
+        names = [p.name for p in base.glob(f"{prefix}*") if p.is_dir()] if cgroups else mine["cgroups"]
+        for name in names:
+            group = base / name
             procs = group / "cgroup.procs"
             for pid in procs.read_text().split() if procs.exists() else []:
                 with contextlib.suppress(ProcessLookupError, ValueError):

@@ -4,15 +4,37 @@ reads (shared by `deepco bench`'s points and its scenarios)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from deepco.errors import UserError
-from deepco_bench.testbed import Testbed
+from deepco_bench.testbed import Testbed, cpu_quota_group
 
 DEFAULT_SHARES = (0.45, 0.30, 0.15, 0.10)  # the issue's heterogeneous servers, fractions of one core
 PORT = 50051
+
+
+@contextlib.contextmanager
+def server_under_quota(share: float, *serve_args: str, period_us: int = 100_000) -> Iterator[str]:
+    """A `deepco serve` on loopback (``serve_args`` added) whose process runs in a cpu cgroup of its own with
+    ``share`` of a core (EMULATED: a weaker server); yields its address."""
+    with cpu_quota_group(f"deepco-quota-{os.getpid()}-{share}", share, period_us) as procs:
+        proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", *serve_args],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                preexec_fn=lambda: procs.write_text(str(os.getpid())))
+        try:
+            listening = re.search(r"listening on (\S+)", proc.stdout.readline())
+            if not listening:
+                raise UserError("the quota'd server did not start")
+            yield listening.group(1)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def shares_for(args: argparse.Namespace, servers: int, scale: float = 1.0) -> list[float]:

@@ -1,10 +1,11 @@
 """Frames in flight for a live source that drops late frames: as few as keep the frame rate, by measurement.
 
 A frame let in flight beyond what the plan's slowest step absorbs only waits, and on a live source every
-wait is age. The cost model's pipelining assumes a server runs the frames it holds one after another; a
-server under a CPU quota runs them at once, each slower. On the camera preset at 224x224, offload with two
-frames in flight measured 9.3 fps, no more than one frame at a time gives (p50 98 ms: 10.2 fps), and its
-compute latency doubled to 210 ms (issue 28).
+wait is age. A second frame in flight pays only where it overlaps something with the server's compute (the
+transfer, the device's own work); a server runs the frames it holds in turn, and its own message handling
+shares its CPU share with the compute. On the camera preset at 224x224, offload with two frames in flight
+measured 8-23% fewer fps than with one (issue 28; before servers took turns, two at once doubled each
+frame's compute latency for no more fps).
 So the depth is chosen the way `--objective slo` chooses: by what frames measure. `LeanDepth` starts at the
 least depth, tries one more for a window of results, keeps it only when the measured rate rises by
 ``GAIN``, and stops at the first depth that does not pay (or at the most it may use).

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from deepco.errors import UserError
+from deepco.planning import overlap as overlapping
 from deepco.planning.bands import ownership, receives
 from deepco.planning.plan import PlanningError
 
@@ -85,6 +86,9 @@ class StagedPlan:
     tail: str | None = None  # participant that gathers and runs the rest; None: the device
     # kind "scales": the level's tensors, name -> {"owned": band per participant (its rows), "crop": per participant}
     tensors: dict = field(default_factory=dict)
+    # per level (0..n) and participant, its segment's parts in run order (deepco.planning.overlap: the interior
+    # while the halo is in flight, then the borders), each ((rows), (window), crop); [] runs it once
+    overlap: list = field(default_factory=list)
     predicted: float = 0.0
     breakdown: dict = field(default_factory=dict)
     # set by calibration (`deepco.planning.calibration.fidelity`): measured against predicted, and why when
@@ -100,9 +104,11 @@ class StagedPlan:
         """Inverse of `to_dict`."""
         tensors = {name: {"owned": [tuple(iv) for iv in t["owned"]], "crop": list(t["crop"])}
                    for name, t in data.get("tensors", {}).items()}
+        overlap = [[[((int(r[0]), int(r[1])), (int(w[0]), int(w[1])), int(c)) for r, w, c in parts]
+                     for parts in level] for level in data.get("overlap", [])]
         return cls(**data | {"bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
                               "windows": [[tuple(iv) for iv in level] for level in data.get("windows", [])],
-                              "tensors": tensors})
+                              "tensors": tensors, "overlap": overlap})
 
     def describe(self) -> str:
         """One line: what runs where."""
@@ -312,14 +318,13 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     link, hop = rates.peer_bytes_per_second, rates.peer_overhead
     stages = []
     for j in range(1, len(names)):
-        ready = list(done)
+        halo = [0.0] * n
         if j > 1 or not plan.lookahead:
             row = costs.row_bytes(names[j - 1])
             for i in range(n):
                 for k, (a, b) in receives(plan.bands, plan.windows, j - 1, i).items():
-                    ready[i] = max(ready[i], done[k] + hop + (b - a) * row / link)
-        flops = [costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for i in range(n)]
-        done = [ready[i] + flops[i] / speed[i] + rates.step_overhead for i in range(n)]
+                    halo[i] = max(halo[i], done[k] + hop + (b - a) * row / link)
+        done = [_stage_done(plan, costs, j, i, done[i], halo[i], speed[i], rates.step_overhead) for i in range(n)]
         stages.append(max(done))
     last = plan.levels[-1]
     row = costs.row_bytes(last)
@@ -346,6 +351,34 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     back = rates.request_overhead + out_bytes / rates.antenna_bytes_per_second[plan.antennas[c]]
     return {"frame": gathered + tail + back, "arrived": arrived, "stages": stages, "gathered": gathered,
             "tail": tail, "return": back}
+
+
+def _parts(plan: StagedPlan, j: int, i: int) -> list:
+    """Participant ``i``'s parts of segment ``j`` (`StagedPlan.overlap`; [] when it runs once)."""
+    return plan.overlap[j][i] if plan.overlap and j < len(plan.overlap) else []
+
+
+def _stage_done(plan: StagedPlan, costs: CostModel, j: int, i: int, own: float, halo: float, speed: float,
+                overhead: float) -> float:
+    """When participant ``i`` ends segment ``j``: own rows ready at ``own``, the halo at ``halo``
+    (`deepco.planning.overlap.finish`, with or without parts)."""
+    names: list[str | None] = [None, *plan.levels]
+    whole = costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops / speed
+    parts = _parts(plan, j, i)
+    if not parts:
+        return overlapping.finish(own, halo, whole, None, 0.0, 1, overhead)
+    seconds = [costs.window(names[j - 1], names[j], *rows).flops / speed for rows, _, _ in parts]
+    return overlapping.finish(own, halo, whole, seconds[0], sum(seconds[1:]), len(parts), overhead)
+
+
+def _stage_work(plan: StagedPlan, costs: CostModel, j: int, i: int) -> tuple[int, float]:
+    """(FLOPs, seconds of extra ORT runs) of participant ``i``'s segment ``j``: its parts' or its band's."""
+    names: list[str | None] = [None, *plan.levels]
+    parts = _parts(plan, j, i)
+    if not parts:
+        return costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops, 0.0
+    flops = sum(costs.window(names[j - 1], names[j], *rows).flops for rows, _, _ in parts)
+    return flops, (len(parts) - 1) * overlapping.PART_OVERHEAD
 
 
 def _predict_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
@@ -391,7 +424,8 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
         return 1.0 / max(busy.values())
     names: list[str | None] = [None, *plan.levels]
     for i, s in enumerate(plan.servers):
-        flops = sum(costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
+        work = [_stage_work(plan, costs, j, i) for j in range(1, len(names))]
+        flops, extra = sum(f for f, _ in work), sum(e for _, e in work)
         if s == DEVICE:
             busy["device"] += flops / rates.device_flops_per_second
             continue
@@ -404,7 +438,7 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
         if plan.tail == s:
             flops += costs.tail_flops(plan.levels[-1])
             taken += 1
-        busy[s] = flops / rates.server_flops_per_second[s] + taken * rates.step_overhead
+        busy[s] = flops / rates.server_flops_per_second[s] + taken * rates.step_overhead + extra
     if plan.tail is None:
         busy["device"] += costs.tail_flops(plan.levels[-1]) / rates.device_flops_per_second
     return 1.0 / max(busy.values())
@@ -508,9 +542,23 @@ def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Se
         return None
     sizes = [(b - a) * costs.row_bytes(None) for a, b in windows[0]]
     antennas, order = _associate(chosen, rates, sizes)
-    plan = StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
-                      levels=list(levels), bands=bands, windows=windows, crops=crops, lookahead=lookahead, tail=tail)
-    return _finish(plan, costs, rates)
+    plan = _finish(StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
+                              levels=list(levels), bands=bands, windows=windows, crops=crops, lookahead=lookahead,
+                              tail=tail), costs, rates)
+    parted = in_parts(plan, costs)
+    if not parted.overlap:
+        return plan
+    parted = _finish(parted, costs, rates)  # kept only where the model says it pays
+    return parted if parted.predicted < plan.predicted else plan
+
+
+def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
+    """``plan`` (a split) with every stage that can overlap its halo run in parts (`deepco.planning.overlap`),
+    not re-predicted; its ``overlap`` stays [] where no stage can."""
+    names: list[str | None] = [None, *plan.levels]
+    parts = overlapping.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), plan.bands,
+                                   plan.windows, plan.lookahead, plan.servers, DEVICE)
+    return replace(plan, overlap=parts if any(p for level in parts for p in level) else [])
 
 
 def scales_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], weights: Sequence[float] | None = None,

@@ -22,6 +22,7 @@ from deepco.wire.rows import encode_rows
 
 Interval = tuple[int, int]
 TensorTable = tuple[str, Sequence[Interval], Sequence[int]]  # a level's tensor: name, band and crop per participant
+Part = tuple[Interval, Interval, int]  # one run of a segment: output rows, window, crop
 ROWS_RANK = 4  # Rows carry NCHW
 
 
@@ -69,17 +70,26 @@ def named_rows(outputs: Mapping[str, np.ndarray], into) -> None:
 def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
                 bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
                 crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
-                tail: int | None, tail_model: str, tensors: Sequence[TensorTable] = ()) -> dpb.SplitRequest:
+                tail: int | None, tail_model: str, tensors: Sequence[TensorTable] = (),
+                parts: Sequence[Sequence[Sequence[Part]]] = ()) -> dpb.SplitRequest:
     """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
     (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
     participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers.
-    ``tensors``: the last level's tensors when it has several (bands and windows are then image rows)."""
+    ``tensors``: the last level's tensors when it has several (bands and windows are then image rows).
+    ``parts``: per level and participant, its segment's runs (deepco.planning.overlap); only the participant's
+    own travel, the others' lists are left empty."""
     levels = []
     for j in range(len(bands)):
         level = dpb.SplitLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
         if j:
             level.window.extend(dpb.RowRange(start=a, stop=b) for a, b in windows[j])
             level.crop.extend(crops[j])
+            if j < len(parts) and any(parts[j]):
+                for i in range(len(bands[j])):
+                    mine = level.parts.add()
+                    for (a, b), (lo, hi), crop in (parts[j][i] if i == index else ()):
+                        mine.part.add(rows=dpb.RowRange(start=a, stop=b), window=dpb.RowRange(start=lo, stop=hi),
+                                      crop=crop)
         levels.append(level)
     for name, owned, crop in tensors:
         levels[-1].tensors.add(name=name, owned=[dpb.RowRange(start=a, stop=b) for a, b in owned], crop=list(crop))
