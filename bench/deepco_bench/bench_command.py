@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 60)")
     p.add_argument("--static-frames", type=int, default=20,
                    help="--scenario: timed frames of each static plan in each phase (default 20; 0: none)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="--scenario: keep every run's log, printed lines and the servers' logs in DIR (a new or "
+                        "empty folder; default: a temporary folder, removed at the end)")
     p.add_argument("--json", metavar="FILE",
                    help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of measured and predicted latency (default: none)")
@@ -503,8 +506,15 @@ def _scenario(args: argparse.Namespace) -> int:
         raise UserError(f"--phase-frames must be at least {2 * scenarios.ADAPTED_WINDOW}, got {args.phase_frames}")
     if args.static_frames < 0:
         raise UserError(f"--static-frames must be 0 or more, got {args.static_frames}")
-    with tempfile.TemporaryDirectory(prefix="deepco-scenario-") as tmp:
-        result = scenarios.run_repeats(args, Path(tmp))
+    if args.keep is not None:
+        keep = Path(args.keep)
+        if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+            raise UserError(f"--keep {args.keep}: not a new or empty folder")
+        keep.mkdir(parents=True, exist_ok=True)
+        result = scenarios.run_repeats(args, keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="deepco-scenario-") as tmp:
+            result = scenarios.run_repeats(args, Path(tmp))
     print(scenarios.report(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
