@@ -60,10 +60,14 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
     """The scenario's phase 1 starts where `deepco run` announces its plan (live calibration's frames come
     first); the report and plot take medians over the repeats, a repeat that never adapted counting as its
     whole second phase."""
-    from deepco_bench.scenarios import STATICS, calibration_frames, plot, report, run_repeats
+    from deepco_bench.scenarios import STATICS, _adaptation_lines, calibration_frames, plot, report, run_repeats
 
     printed = "preprocessing: x\nframe 0: 9 ms\nframe 1: 8 ms\nplan: P; predicted with 1 frame(s) in flight: 7 ms\n"
     assert calibration_frames(printed) == 2 and calibration_frames("frame 0: 9 ms\n") is None
+    # a server back that the plan gives no work is reported, not silent (the scenario server-join)
+    idle = "adapt: s3 back, but the plan with them is the running one: offload to s0"
+    joined = _adaptation_lines(printed + "frame 2: 7 ms\nserver s3 is back\n" + idle + "\nframe 3: 7 ms\n")
+    assert joined == [{"after_frame": 2, "line": "server s3 is back"}, {"after_frame": 2, "line": idle}]
 
     def run(p50: float, adapted: int | None) -> dict:
         row = {"frames": 20, "failed": 0, "p50": p50, "p95": 2 * p50}
@@ -71,7 +75,7 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
         return {"change": "every antenna from 100 to 10 Mbit/s", "label": "EMULATED", "calibration_frames": 12,
                 "changed_after": 32, "auto": {"before": row, "after": row}, "phases": phases, "fresh_p50": p50,
                 "frames_until_adapted": adapted, "lost": {"before": 0, "after": 0}, "in_order": True,
-                "max_relative_error": 1e-6, "switches": [], "latencies": [p50] * 54}
+                "max_relative_error": 1e-6, "switches": [], "adaptation": joined, "latencies": [p50] * 54}
 
     from deepco_bench import scenarios
 
@@ -82,6 +86,7 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
     m = result["median"]
     assert m["before"]["offload"]["p50"] == 0.2 and m["frames_until_adapted"] == 5  # 3, 22 (never), 5
     assert "frames until adapted: 5 (per repeat: 3, not within the phase, 5)" in report(result)
+    assert f"repeat 2, after frame 2: {idle}" in report(result)
     plot(result, str(tmp_path / "scenario.png"))
     assert (tmp_path / "scenario.png").read_bytes().startswith(b"\x89PNG")
 

@@ -354,13 +354,15 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
     split = len(before)  # the frames logged before the change (the log is written frame by frame)
     print(f"after frame {split - 1}: {changed}", flush=True)
     records = runs.finish(proc, log)
+    adapted = _adaptation_lines(runs.printed(log))
     errors = _errors(runs.workdir / "scenario.npz", args.model, args.input_size)
     failed = [r["error"] is not None for r in records]
     return {"change": changed, "calibration_frames": calibrated, "changed_after": split, "records": records,
             "auto": {"before": _stats(records[calibrated:split]), "after": _stats(records[split:])},
             "lost": {"before": sum(failed[:split]), "after": frames - len(records) + sum(failed[split:])},
             "in_order": [r["frame"] for r in records] == list(range(len(records))),
-            "max_relative_error": max(errors, default=float("nan")), "switches": _switch_frames(runs.printed(log)),
+            "max_relative_error": max(errors, default=float("nan")),
+            "switches": [a for a in adapted if a["line"].startswith("switch: ")], "adaptation": adapted,
             "latencies": [r["latency"] for r in records]}
 
 
@@ -379,13 +381,17 @@ def _phases(runs: Runs, cond: Conditions, auto_plan: Path) -> dict:
     return out
 
 
-def _switch_frames(out: str) -> list[dict]:
-    """The run's switch lines, each with the last frame reported before it."""
+ADAPTATION_LINES = ("switch: ", "kept ", "adapt: ", "server ")  # switches, trials kept, joins and downs
+
+
+def _adaptation_lines(out: str) -> list[dict]:
+    """The run's lines about adapting (a switch, a trial that kept the plan, a server back or down, a server back
+    that the plan gives no work), each with the last frame reported before it."""
     last, found = -1, []
     for line in out.splitlines():
         if line.startswith("frame ") and ":" in line:
             last = int(line.split()[1].rstrip(":"))
-        elif line.startswith("switch: "):
+        elif line.startswith(ADAPTATION_LINES):
             found.append({"after_frame": last, "line": line})
     return found
 
@@ -445,7 +451,7 @@ def report(result: dict) -> str:
               f"{', '.join('not within the phase' if a is None else str(a) for a in adapted)})",
               f"frames lost: {m['lost']}; in order: {m['in_order']}; max relative error {m['max_relative_error']:.1e}"]
     for k, r in enumerate(runs):
-        lines += [f"  repeat {k + 1}, after frame {s['after_frame']}: {s['line']}" for s in r["switches"]]
+        lines += [f"  repeat {k + 1}, after frame {s['after_frame']}: {s['line']}" for s in r["adaptation"]]
     return "\n".join(lines)
 
 
