@@ -56,6 +56,8 @@ class Health:
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
         self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
+        # a change point seen while a candidate was being planned (on the rates before it): planned again after it
+        self._changes_waiting: str | None = None
         self.down: set[str] = set(unreached)  # down at the start: probed and rejoin like any other
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
@@ -194,17 +196,24 @@ class Health:
             if self.trial is not None or self._considering:
                 if margin == -math.inf:  # servers back: tried once the trial under way is decided
                     self._joins_waiting = why
+                elif self._considering:  # the rates moved under the search: else nothing would look again
+                    self._changes_waiting = why
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
         self.background(self._propose, running, down, why, margin, quick)
 
     def _next(self) -> None:
-        """A trial was decided (or none made): the servers that came back meanwhile are tried now."""
+        """A trial was decided (or none made): the servers that came back meanwhile are tried now, or else the
+        rates that changed while the candidate was planned are planned on (a step seen once is not seen again:
+        without this a change that came during a search on the rates before it would never be acted on)."""
         with self.lock:
             why, self._joins_waiting = self._joins_waiting, None
-        if why is not None:
+            change, self._changes_waiting = self._changes_waiting, None
+        if why is not None:  # planned on the current rates: the change is covered too
             self._consider(why, margin=-math.inf)
+        elif change is not None:
+            self._consider(change)
 
     def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""

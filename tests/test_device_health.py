@@ -143,3 +143,27 @@ def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
     assert device.lines[-2:] == ["server s2 is back",
                                  "adapt: s2 back, but the plan with them is the running one: split over 2 servers"]
     assert health.current().plan.servers == ["s0", "s1"]
+
+
+def test_a_change_point_seen_while_a_candidate_is_planned_is_planned_on_after_it():
+    """A search takes seconds on a weak camera; a change point that comes meanwhile (the step after a blip) is
+    seen once only, so it is planned on once the search ends, not dropped (the antennas dropped to a tenth,
+    and the run kept its plan for good)."""
+    health, device, calls, first = make_health(["s0", "s1"])
+    asked, later = [], []
+
+    class Adapt:
+        def candidate(self, running, down, why, margin=None, quick=True):
+            asked.append(why)
+            return None  # the rates before the step: nothing better
+
+    health.adapt = Adapt()
+    health.background = lambda fn, *args: later.append((fn, args))  # the search runs when the test says
+    health._consider("antenna 0 2.00x faster")
+    health._consider("antenna 0 6.00x slower")  # while the first is planned
+    fn, args = later.pop()
+    fn(*args)
+    assert asked == ["antenna 0 2.00x faster"] and len(later) == 1  # the second is planned on next
+    fn, args = later.pop()
+    fn(*args)
+    assert asked == ["antenna 0 2.00x faster", "antenna 0 6.00x slower"] and not later
