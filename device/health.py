@@ -249,16 +249,15 @@ class Health:
             old, switched = self.runner, trial.faster
             if switched:
                 self.runner = trial.runner
+        was, now = old.plan.brief_beside(trial.plan), trial.plan.brief_beside(old.plan)
         if switched:
             self.adapt.known.append(old.plan)  # its models stay on the servers: a way back without uploads
             self.adapt.live.restart()  # the new plan's samples have a bias of their own
             self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
                                        "why": trial.why, "at": time.perf_counter()})
-            self.device.log(f"switch: {old.plan.brief()} -> {trial.plan.brief()}: {trial.why}; measured "
-                            f"{trial.verdict()}")
+            self.device.log(f"switch: {was} -> {now}: {trial.why}; measured {trial.verdict()}")
         else:
-            self.device.log(f"kept {old.plan.brief()}: tried {trial.plan.brief()} ({trial.why}); measured "
-                            f"{trial.verdict()}")
+            self.device.log(f"kept {was}: tried {now} ({trial.why}); measured {trial.verdict()}")
             trial.runner.close()
         if trial.cause:  # a quick trial (a plan already on the servers): now the search for the best
             self._consider(trial.cause, quick=False)

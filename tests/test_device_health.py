@@ -167,3 +167,13 @@ def test_a_change_point_seen_while_a_candidate_is_planned_is_planned_on_after_it
     fn, args = later.pop()
     fn(*args)
     assert asked == ["antenna 0 2.00x faster", "antenna 0 6.00x slower"] and not later
+
+
+def test_a_trial_of_the_same_server_on_another_antenna_names_the_antennas():
+    """The bandwidth-drop scenario printed 'kept offload to s1: tried offload to s1': the trial moved the
+    offload to the other antenna, which the line must say."""
+    on0 = StagedPlan("auto", "offload", servers=["s1"], antennas=[0], order=[0])
+    on1 = StagedPlan("auto", "offload", servers=["s1"], antennas=[1], order=[0])
+    assert on0.brief_beside(on1) == "offload to s1 over antenna 0"
+    assert on1.brief_beside(on0) == "offload to s1 over antenna 1"
+    assert on0.brief_beside(StagedPlan("auto", "offload", servers=["s0"], antennas=[1], order=[0])) == "offload to s1"
