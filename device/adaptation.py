@@ -9,7 +9,13 @@ losing a frame.
   the cost model prefers on the current rates (auto: the staged planner's best; a paper plan: the same
   algorithm). A candidate predicted faster than the running plan by more than ``margin`` is a `Trial`:
   its models are uploaded in the background (frames go on meanwhile), then every other frame runs on it
-  until ``frames`` frames have run on each; the device switches if its median latency is lower. Frames are
+  until ``frames`` frames have run on each; the device switches if its median latency is lower.
+- **No upload where it can be helped.** An upload from a weak camera takes its CPU and its antennas from the
+  live frames for seconds (a ResNet-18 is 45 MB). So calibration's finalists keep their models on the
+  servers for the run (`StagedPlanner.calibrate(standby=True)`), a plan the device left keeps its own, and of
+  the proposed plans one whose models are all held (``warm``: device.runners.warm; models are shared by
+  content, so a split over fewer servers at the same levels is warm too) is tried rather than the best when
+  predicted within ``margin`` of it. Frames are
   never held back nor blank, and the pipeline yields them in order whatever plan ran them
   (device/pipeline.py), so a switch loses, duplicates and reorders none.
 
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
 MIN_SAMPLE_SECONDS = 1e-3  # work setup's rates give less time than this is all overhead and jitter: no sample
 MARGIN = 0.15  # a candidate is tried when the cost model predicts it this much (15%) faster than the running plan
 TRIAL_FRAMES = 3  # frames a candidate runs, and frames of the running plan it is compared with
+WARM_LOOKED_AT = 40  # of the proposed plans, best first, how many are looked at for one whose models are held
 
 
 @dataclass
@@ -46,6 +53,7 @@ class Trial:
     why: str
     frames: int = TRIAL_FRAMES
     runner: Any = None
+    cause: str = ""  # the change that led to it; set on a quick trial (`Adaptation.quick`): a search follows it
     tried: list[float] = field(default_factory=list)
     running: list[float] = field(default_factory=list)
     _dealt: int = 0
@@ -85,18 +93,25 @@ class Trial:
 
 class Adaptation:
     """The live rates of a device's run and the plans they suggest (see the module doc). ``propose(down, rates)``
-    makes the plan the run would choose on ``rates`` without the servers in ``down``; ``seconds(plan, rates)``
-    is what it optimises, seconds per frame (default: the predicted latency; with frames pipelined, 1 / the
-    predicted fps)."""
+    makes the plan the run would choose on ``rates`` without the servers in ``down``, or the plans it would
+    choose from, best first; ``seconds(plan, rates)`` is what it optimises, seconds per frame (default: the
+    predicted latency; with frames pipelined, 1 / the predicted fps). ``warm(plan)``: whether the plan's models
+    are on its servers already; of the proposed plans, one that is and is predicted within ``margin`` of the
+    best is tried rather than the best (a switch to it uploads nothing, while an upload from a weak camera
+    takes its CPU and antennas from the live frames for seconds). ``known``: plans whose models were put on the
+    servers (calibration's finalists); a plan the run leaves is added."""
 
-    def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan], *, margin: float = MARGIN,
-                 frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
-                 seconds: Callable[[StagedPlan, Rates], float] | None = None):
+    def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan | list[StagedPlan]], *,
+                 margin: float = MARGIN, frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
+                 seconds: Callable[[StagedPlan, Rates], float] | None = None,
+                 warm: Callable[[StagedPlan], bool] | None = None, known: list[StagedPlan] = ()):
         self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
         self.live = live or LiveRates()
         self.costs = device.costs
         self.paced = device.measured.paced
         self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
+        self.warm = warm or (lambda plan: False)
+        self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
 
     def rates(self) -> Rates:
         """The current rates: setup's (with calibration's fit) moved by every change point seen."""
@@ -135,15 +150,44 @@ class Adaptation:
             out[f"antenna {m}"] = seconds / given[m]
         return out
 
-    def candidate(self, running: StagedPlan, down: set[str], why: str, margin: float | None = None) -> Trial | None:
+    def candidate(self, running: StagedPlan, down: set[str], why: str, margin: float | None = None,
+                  quick: bool = True) -> Trial | None:
         """A trial of the plan the current rates suggest, if the cost model predicts it better than ``running``
-        by ``margin`` (default: the adaptation's; None returned: keep running)."""
+        by ``margin`` (default: the adaptation's; None returned: keep running). With ``quick`` (and a margin of
+        0 or more: a server back needs a plan with it), one of the plans already on the servers (`known`) that
+        is predicted better comes first, without a search (a weak camera takes seconds to search while frames
+        run slow): its trial's ``cause`` asks for the search after it."""
         margin = self.margin if margin is None else margin
         rates = self.rates()
-        plan = self.propose(down, rates)
+        now = self.seconds(running, rates)
+        if quick and margin >= 0:
+            fast = self.quick(running, down, rates)
+            if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
+                new = self.seconds(fast, rates)
+                return Trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
+                                   "the servers already)", self.frames, cause=why)
+        plan, held = self.choose(self.propose(down, rates), rates)
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
-        new, now = self.seconds(plan, rates), self.seconds(running, rates)
+        new = self.seconds(plan, rates)
         if new >= now * (1 - margin):
             return None
-        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms", self.frames)
+        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
+                           f"{'' if held else '; its models uploaded first'}", self.frames)
+
+    def quick(self, running: StagedPlan, down: set[str], rates: Rates) -> StagedPlan | None:
+        """Of the `known` plans whose models are on the servers, without the servers in ``down``, the one
+        predicted fastest on ``rates`` (None: none but ``running``)."""
+        ready = [p for p in self.known if not set(p.servers) & down and self.warm(p)
+                 and not same_plan(p.to_dict(), running.to_dict())]
+        return min(ready, key=lambda p: self.seconds(p, rates), default=None)
+
+    def choose(self, proposed: StagedPlan | list[StagedPlan], rates: Rates) -> tuple[StagedPlan, bool]:
+        """Of the ``proposed`` plans (best first), the best, or the best whose models are on the servers already
+        when it is predicted within ``margin`` of it; and whether the one chosen is such a plan."""
+        plans = [proposed] if isinstance(proposed, StagedPlan) else list(proposed)
+        best = plans[0]
+        held = next((p for p in plans[:WARM_LOOKED_AT] if self.warm(p)), None)
+        if held is not None and self.seconds(held, rates) <= self.seconds(best, rates) * (1 + self.margin):
+            return held, True
+        return best, held is best

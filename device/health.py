@@ -56,6 +56,8 @@ class Health:
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
         self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
+        # a change point seen while a candidate was being planned (on the rates before it): planned again after it
+        self._changes_waiting: str | None = None
         self.down: set[str] = set(unreached)  # down at the start: probed and rejoin like any other
         self.liars: set[str] = set()  # answered wrongly: down for good, never probed back in
         self.lock = threading.Lock()  # the sets and the runner: held briefly, never across a call to a server
@@ -186,7 +188,7 @@ class Health:
                                        "at": time.perf_counter()})
             self._consider(", ".join(c.describe() for c in changes))
 
-    def _consider(self, why: str, margin: float | None = None) -> None:
+    def _consider(self, why: str, margin: float | None = None, quick: bool = True) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
         for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
         once its models are on the servers."""
@@ -194,23 +196,30 @@ class Health:
             if self.trial is not None or self._considering:
                 if margin == -math.inf:  # servers back: tried once the trial under way is decided
                     self._joins_waiting = why
+                elif self._considering:  # the rates moved under the search: else nothing would look again
+                    self._changes_waiting = why
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
-        self.background(self._propose, running, down, why, margin)
+        self.background(self._propose, running, down, why, margin, quick)
 
     def _next(self) -> None:
-        """A trial was decided (or none made): the servers that came back meanwhile are tried now."""
+        """A trial was decided (or none made): the servers that came back meanwhile are tried now, or else the
+        rates that changed while the candidate was planned are planned on (a step seen once is not seen again:
+        without this a change that came during a search on the rates before it would never be acted on)."""
         with self.lock:
             why, self._joins_waiting = self._joins_waiting, None
-        if why is not None:
+            change, self._changes_waiting = self._changes_waiting, None
+        if why is not None:  # planned on the current rates: the change is covered too
             self._consider(why, margin=-math.inf)
+        elif change is not None:
+            self._consider(change)
 
-    def _propose(self, running, down: set[str], why: str, margin: float | None) -> None:
+    def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
         trial = None
         try:
-            trial = self.adapt.candidate(running.plan, down, why, margin)
+            trial = self.adapt.candidate(running.plan, down, why, margin, quick)
             if trial is not None:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
@@ -240,16 +249,18 @@ class Health:
             old, switched = self.runner, trial.faster
             if switched:
                 self.runner = trial.runner
+        was, now = old.plan.brief_beside(trial.plan), trial.plan.brief_beside(old.plan)
         if switched:
+            self.adapt.known.append(old.plan)  # its models stay on the servers: a way back without uploads
             self.adapt.live.restart()  # the new plan's samples have a bias of their own
             self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
                                        "why": trial.why, "at": time.perf_counter()})
-            self.device.log(f"switch: {old.plan.brief()} -> {trial.plan.brief()}: {trial.why}; measured "
-                            f"{trial.verdict()}")
+            self.device.log(f"switch: {was} -> {now}: {trial.why}; measured {trial.verdict()}")
         else:
-            self.device.log(f"kept {old.plan.brief()}: tried {trial.plan.brief()} ({trial.why}); measured "
-                            f"{trial.verdict()}")
+            self.device.log(f"kept {was}: tried {now} ({trial.why}); measured {trial.verdict()}")
             trial.runner.close()
+        if trial.cause:  # a quick trial (a plan already on the servers): now the search for the best
+            self._consider(trial.cause, quick=False)
         self._next()
 
     def _abandon(self, runner, exc: ServerError) -> bool:

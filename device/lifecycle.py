@@ -8,13 +8,14 @@ name). What it uploaded it unloads on close, also after Ctrl-C; if it dies witho
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import grpc
 from deepco_device.backpressure import while_busy
 
 from deepco.errors import UserError
-from deepco.wire.client import InferenceClient, ServerError, content_name
+from deepco.wire.client import InferenceClient, ServerError, content_name_of
 
 UNLOAD_TIMEOUT = 5.0  # per model on close: a frozen server must not hold up the device's exit
 
@@ -43,13 +44,14 @@ def no_room(client: InferenceClient, size: int) -> str | None:
     return None
 
 
-def load_with_room(client: InferenceClient, model_bytes: bytes, name: str) -> None:
+def load_with_room(client: InferenceClient, model_bytes: bytes, name: str, sha256: str | None = None) -> None:
     """Load ``model_bytes`` as ``name`` on ``client``'s server, waiting for a busy server (back-pressure) but
-    raising `NoRoom` at once when its model slots or bytes are full."""
+    raising `NoRoom` at once when its model slots or bytes are full. ``sha256``: the bytes' digest, where
+    known (else computed again)."""
 
     def load() -> None:
         try:
-            client.load_model(model_bytes, name)
+            client.load_model(model_bytes, name, sha256=sha256)
         except ServerError as exc:
             if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
@@ -67,21 +69,47 @@ class Uploads:
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (address, name) -> (client, users)
+        # id(bytes) -> (those bytes, their content name): a weak camera hashes a 45 MB model in about a second,
+        # which a switch to a plan whose models are already held must not cost (the bytes are kept, so no id is
+        # reused while its entry lives)
+        self._names: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, SHA-256 hex digest)
         self._lock = threading.Lock()
+
+    def digest(self, model_bytes: bytes) -> str:
+        """The SHA-256 (hex) of ``model_bytes``, computed once per bytes object."""
+        with self._lock:
+            known = self._names.get(id(model_bytes))
+        if known is not None and known[0] is model_bytes:
+            return known[1]
+        digest = hashlib.sha256(model_bytes).hexdigest()
+        with self._lock:
+            self._names[id(model_bytes)] = (model_bytes, digest)
+        return digest
+
+    def name_of(self, model_bytes: bytes, base: str) -> str:
+        """The content-addressed name ``model_bytes`` are uploaded under (as `content_name`, hashed once)."""
+        return content_name_of(base, self.digest(model_bytes))
+
+    def holds(self, address: str, model_bytes: bytes, base: str) -> bool:
+        """Whether this device holds ``model_bytes`` loaded on the server at ``address`` (a runner that needs
+        them there uploads nothing)."""
+        name = self.name_of(model_bytes, base)
+        with self._lock:
+            return (address, name) in self._held
 
     def upload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
         """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name.
         Each call is one more user of the model (`drop` gives it back). A model this device already holds
         there is not loaded again (a replan then costs no call to a server that may be frozen); after `forget`
         it is. A server without room for it raises `NoRoom` at once; a busy one is waited for."""
-        name = content_name(base, model_bytes)
+        name = self.name_of(model_bytes, base)
         key = (client.address, name)
         with self._lock:
             if key in self._held:
                 self._held[key] = (client, self._held[key][1] + 1)
                 return name
 
-        load_with_room(client, model_bytes, name)
+        load_with_room(client, model_bytes, name, self.digest(model_bytes))  # the server checks the digest
         with self._lock:
             users = self._held.get(key, (client, 0))[1]
             self._held[key] = (client, users + 1)

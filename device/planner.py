@@ -65,6 +65,7 @@ class StagedPlanner:
         self.room: dict[str, int] | None = None  # free model slots per server (`free_slots`); None: not counted
         self.unfit_plans = 0  # candidates the last `plans` left out for want of model slots
         self._unfit_told = False  # calibration said how many candidates the free slots leave out
+        self.standby: list[StagedRunner] = []  # calibration's finalists kept loaded (`calibrate(standby=True)`)
 
     # calibration's fit lives with the device's measurements: every planner and the paper's plans share it
     compute_scale = property(lambda self: self.device.measurements.compute_scale,
@@ -122,7 +123,7 @@ class StagedPlanner:
         return makers[name]()
 
     def calibrate(self, objective: str = "latency", frames: int = 2, rounds: int = 3,
-                  runoff_frames: int = 6, live: LiveFrames | None = None) -> StagedPlan:
+                  runoff_frames: int = 6, live: LiveFrames | None = None, standby: bool = False) -> StagedPlan:
         """`deepco.planning.calibration.calibrate` on this device's servers: plans are timed on frames, the
         fitted compute scale and step overhead are kept here (`rates`), and every timing in ``trials``.
 
@@ -136,7 +137,9 @@ class StagedPlanner:
 
         Only plans that fit the servers' free model slots are planned (`room`), a plan a server still refuses
         for want of room is skipped with a one-line note, and the models of every plan that cannot be chosen
-        any more are unloaded at once: calibration never holds more than the finalists' models."""
+        any more are unloaded at once: calibration never holds more than the finalists' models. With
+        ``standby`` the finalists' models stay loaded for the run (`standby`, given back when the device closes):
+        live adaptation switches to a plan on them without an upload from the device."""
         self.room, self._unfit_told = self.free_slots(), False
         dev = self.device
         runs = _PlanRuns(dev, live or _BlankFrames(self._blank()))
@@ -144,7 +147,8 @@ class StagedPlanner:
             result = calibration.calibrate(
                 self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
                 frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
-                compute_scale=self.compute_scale, step_overhead=self.step_overhead)
+                compute_scale=self.compute_scale, step_overhead=self.step_overhead,
+                spare=runs.spare if standby else None)
         except SourceEnded:
             return self.best(objective)  # no frame is left to run it on
         except ServerError as exc:
@@ -158,6 +162,10 @@ class StagedPlanner:
             return self.best(objective, exclude=down)
         dev.measurements.compute_scale, dev.measurements.step_overhead = result.compute_scale, result.step_overhead
         self.trials += result.trials
+        self.standby += runs.spared
+        if runs.spared:
+            dev.log(f"calibration: the models of {len(runs.spared)} finalist(s) stay on the servers for live "
+                    f"adaptation: {'; '.join(r.plan.describe() for r in runs.spared)}")
         return result.plan
 
     def _candidates(self, rates: Rates, objective: str, shapes: str) -> list[StagedPlan]:
@@ -332,6 +340,7 @@ class _PlanRuns:
     def __init__(self, device: Device, frames: LiveFrames | _BlankFrames):
         self.device, self.frames = device, frames
         self._runners: dict[str, StagedRunner] = {}
+        self.spared: list[StagedRunner] = []
 
     def time(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float]:
         """The latencies of ``frames`` frames of ``plan`` (after an untimed one when ``warm_up``: first runs
@@ -379,6 +388,12 @@ class _PlanRuns:
         if failed:
             raise UserError(f"slo: {option.describe()} failed a frame while measured: {failed[0]}")
         return slo.Trial(option, float(np.percentile([r.latency for r in results], 95)), frames / seconds)
+
+    def spare(self, plan: StagedPlan) -> None:
+        """Keep ``plan``'s runner, its models on the servers, in ``spared`` (calibration's finalists)."""
+        runner = self._runners.pop(plan_key(plan), None)
+        if runner is not None:
+            self.spared.append(runner)
 
     def release(self, plan: StagedPlan) -> None:
         """Give back ``plan``'s models."""

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, metavar="F.json",
                    help="run exactly the plan `deepco plan --model ... --save F.json` wrote (instead of --algorithm); "
                         "failover replans as auto does")
+    p.add_argument("--save-plan", default=None, metavar="F.json",
+                   help="write the plan the run settles on (auto: after calibration) for `deepco run --plan`")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--plan-cache", default=None, metavar="DIR",
                        help="where auto keeps the plan it settled on, so that the next start with the same servers, "
@@ -176,6 +178,13 @@ def _run_frames(args: argparse.Namespace, dev, cache: CacheUse | None, feed, res
     results.progress.close()  # set up and calibrated: from here on, frame lines only
     if rest is None:
         return
+    if args.save_plan:
+        from deepco_device.plan_command import save_plan
+
+        try:
+            save_plan(args.save_plan, args.model, dev.height, dev.width, chosen.plan)
+        except OSError as exc:
+            raise UserError(f"--save-plan {args.save_plan}: cannot write it ({exc.strerror or exc})") from None
     runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
@@ -315,13 +324,14 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
     """What to run (printed) and the frames left for it: the feed, or None where calibration took them all."""
     from deepco_device.adaptation import Adaptation
     from deepco_device.planner import LiveFrames, StagedPlanner
+    from deepco_device.runners import warm
 
     from deepco.planning.staged import throughput
 
     if cache is None:  # the paper's plan: failover replans with the same algorithm, and it adapts within it
         print(dev.describe_plan(), flush=True)
-        return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), Adaptation(dev, dev.replan(args.algorithm)),
-                      paper=True), feed
+        adapt = Adaptation(dev, dev.replan(args.algorithm), warm=lambda p: warm(dev, p))
+        return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), adapt, paper=True), feed
     planner = StagedPlanner(dev)
     objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
     rest, choice, depth = feed, None, args.depth
@@ -336,8 +346,8 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
         choice = planner.choose_slo(args.max_latency / 1e3)
         plan, depth = choice.option.plan, choice.option.depth
     elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
-        live = LiveFrames(feed, emit)
-        plan = planner.calibrate(objective, live=live)
+        live = LiveFrames(feed, emit)  # calibration's finalists stay loaded for live adaptation (below)
+        plan = planner.calibrate(objective, live=live, standby=True)
         cache.store(dev, plan, _unsettled(live))
         rest = None if live.ended else live.rest()
     else:
@@ -347,8 +357,9 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
     if args.plan is None and args.algorithm == "auto" and choice is None:
         per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if objective == "throughput" \
             else None  # else the predicted latency
-        adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates)[0],
-                           seconds=per_frame)
+        adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates),
+                           seconds=per_frame, warm=lambda p: warm(dev, p),
+                           known=[r.plan for r in planner.standby])
     return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
 
 

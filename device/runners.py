@@ -143,6 +143,12 @@ class StagedRunner:
     def _prepare(self) -> None:
         raise NotImplementedError
 
+    @classmethod
+    def extracted(cls, device: Device, plan: StagedPlan) -> list[tuple[str, bytes]] | None:
+        """The (server, model bytes) a runner of ``plan`` uploads, from the models the device extracted so far;
+        None where one was never extracted (then it was never uploaded either)."""
+        return []
+
     # ---- one frame ------------------------------------------------------------------------------------
     def run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         """One frame (1xCxHxW uint8 pixels): (every output of the model by name, its timing). Raises ServerError
@@ -217,9 +223,14 @@ class OffloadRunner(StagedRunner):
 
     def _prepare(self) -> None:
         dev = self.device
-        self.whole_name = self._upload(self.plan.servers[0], dev.partitioner.whole().SerializeToString())
+        self.whole_name = self._upload(self.plan.servers[0], _whole_bytes(dev))
         self.whole_input = dev.model.graph.input[0].name
         self.output_specs = output_specs(dev.model)  # what the server's answer must be
+
+    @classmethod
+    def extracted(cls, device: Device, plan: StagedPlan) -> list[tuple[str, bytes]] | None:
+        whole = device.stage_models.get(WHOLE)
+        return None if whole is None else [(server, whole["bytes"]) for server in plan.servers]
 
     def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
@@ -260,6 +271,8 @@ class RoundRobinRunner(StagedRunner):
             self.turns.append(OffloadRunner(self.device, offload_plan_on(s, m), timeout=self.timeout, log=self.log))
         self._next = itertools.count()
         self._turn_lock = threading.Lock()
+
+    extracted = OffloadRunner.extracted
 
     def close(self) -> None:
         """Give back every turn's models."""
@@ -323,6 +336,14 @@ class SplitRunner(StagedRunner):
         self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
                       for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * p.graph.itemsize
+
+    @classmethod
+    def extracted(cls, device: Device, plan: StagedPlan) -> list[tuple[str, bytes]] | None:
+        parts = device.stage_models.get(tuple(plan.levels))
+        if parts is None:
+            return None
+        out = [(server, d) for server in plan.servers if server != DEVICE for d in parts["segments"]]
+        return out + ([(plan.tail, parts["tail_bytes"])] if plan.tail is not None else [])
 
     def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
         """The SplitRequest of participant ``i`` for frame ``x`` under job id ``job`` (deepco.wire.split_jobs)."""
@@ -500,6 +521,11 @@ class ScalesRunner(SplitRunner):
         self.row_bytes = dev.channels * dev.width * g.itemsize
         self.tail_name = ""
 
+    @classmethod
+    def extracted(cls, device: Device, plan: StagedPlan) -> list[tuple[str, bytes]] | None:
+        parts = device.stage_models.get(("scales", plan.levels[0]))
+        return None if parts is None else [(server, parts["stage_bytes"]) for server in plan.servers]
+
     def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
         """Participant ``i``'s request: its window of the image, and the bands of every tensor of the level."""
         plan = self.plan
@@ -538,6 +564,29 @@ class ScalesRunner(SplitRunner):
 # The one place a plan's kind picks code: its runner.
 RUNNERS: dict[str, type[StagedRunner]] = {r.kind: r for r in (LocalRunner, OffloadRunner, RoundRobinRunner,
                                                               SplitRunner, ScalesRunner)}
+
+
+WHOLE = ("whole",)  # the whole model's entry in a device's extracted models
+
+
+def warm(device: Device, plan: StagedPlan) -> bool:
+    """Whether every model ``plan`` needs is loaded on its servers already (by this device): a runner of it
+    uploads nothing, so switching to it costs the camera's CPU and antennas nothing."""
+    needed = RUNNERS[plan.kind].extracted(device, plan)
+    if needed is None:
+        return False
+    index = {s.name: k for k, s in enumerate(device.cluster.servers)}
+    return all(device.uploads.holds(device.client(index[server], 0).address, data, device.tag)
+               for server, data in needed)
+
+
+def _whole_bytes(device: Device) -> bytes:
+    """The whole model's bytes as a server runs it, extracted once per device: a weak camera takes seconds to
+    copy and serialise a ResNet, which an offload made again (failover, a switch) must not cost."""
+    parts = device.stage_models.get(WHOLE)
+    if parts is None:
+        parts = device.stage_models[WHOLE] = {"bytes": device.partitioner.whole().SerializeToString()}
+    return parts["bytes"]
 
 
 def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:

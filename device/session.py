@@ -179,6 +179,7 @@ class Device:
             rate = server_rates(self.pool, self._probe_reference(), self.tag, skip=others)[name]
             self.measured.server_flops_per_second[name] = rate * self.measurements.probe_ratio
         del self.measurements.unreached[name]
+        self.log(f"server {name} measured on joining: {rate * self.measurements.probe_ratio / 1e9:.2f} GFLOP/s")
 
     def restore(self, measured: Measurements, compute_scale: float, step_overhead: float,
                 probe_ratio: float | None = None) -> None:

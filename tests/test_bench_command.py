@@ -56,6 +56,41 @@ def test_frames_until_adapted_is_the_first_frame_from_which_every_ten_stay_withi
     assert frames_until_adapted([0.400] * 8 + [0.105] * 20 + [0.400] * 12, fresh) is None  # and fell back
 
 
+def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_repeats(tmp_path, monkeypatch):
+    """The scenario's phase 1 starts where `deepco run` announces its plan (live calibration's frames come
+    first); the report and plot take medians over the repeats, a repeat that never adapted counting as its
+    whole second phase."""
+    from deepco_bench.scenarios import STATICS, _adaptation_lines, calibration_frames, plot, report, run_repeats
+
+    printed = "preprocessing: x\nframe 0: 9 ms\nframe 1: 8 ms\nplan: P; predicted with 1 frame(s) in flight: 7 ms\n"
+    assert calibration_frames(printed) == 2 and calibration_frames("frame 0: 9 ms\n") is None
+    # a server back that the plan gives no work is reported, not silent (the scenario server-join)
+    idle = "adapt: s3 back, but the plan with them is the running one: offload to s0"
+    joined = _adaptation_lines(printed + "frame 2: 7 ms\nserver s3 is back\n" + idle + "\nframe 3: 7 ms\n")
+    assert joined == [{"after_frame": 2, "line": "server s3 is back"}, {"after_frame": 2, "line": idle}]
+
+    def run(p50: float, adapted: int | None) -> dict:
+        row = {"frames": 20, "failed": 0, "p50": p50, "p95": 2 * p50}
+        phases = {phase: {name: dict(row) for name in (*STATICS, "fresh")} for phase in ("before", "after")}
+        return {"change": "every antenna from 100 to 10 Mbit/s", "label": "EMULATED", "calibration_frames": 12,
+                "changed_after": 32, "auto": {"before": row, "after": row}, "phases": phases, "fresh_p50": p50,
+                "frames_until_adapted": adapted, "lost": {"before": 0, "after": 0}, "in_order": True,
+                "max_relative_error": 1e-6, "switches": [], "adaptation": joined, "latencies": [p50] * 54}
+
+    from deepco_bench import scenarios
+
+    made = iter([run(0.1, 3), run(0.2, None), run(0.3, 5)])
+    args = type("Args", (), {"model": "m.onnx", "repeat": 3, "scenario": "bandwidth-drop"})()
+    monkeypatch.setattr(scenarios, "run_scenario", lambda args, here: next(made))
+    result = run_repeats(args, tmp_path)
+    m = result["median"]
+    assert m["before"]["offload"]["p50"] == 0.2 and m["frames_until_adapted"] == 5  # 3, 22 (never), 5
+    assert "frames until adapted: 5 (per repeat: 3, not within the phase, 5)" in report(result)
+    assert f"repeat 2, after frame 2: {idle}" in report(result)
+    plot(result, str(tmp_path / "scenario.png"))
+    assert (tmp_path / "scenario.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_the_live_and_slo_runs_are_medians_over_the_repeats_and_said_in_the_table():
     runs = copy.deepcopy(json.loads(RECORDED.read_text())["points"][0]["runs"][:3])
     for k, run in enumerate(runs):  # capture-to-result p95 of 100, 120, 140 ms against a p50 of 50 ms

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -144,3 +145,113 @@ def test_a_server_that_slows_down_is_switched_away_from_without_losing_a_frame(c
         assert r.error is None and exact(reference(frames[r.index]), r.output), r.index
     # the frames after the switch run on the new plan, which no longer gives the slow server the whole model
     assert results[-1].staged.server != "s0"
+
+
+def test_a_plan_whose_models_are_loaded_is_warm_costs_no_upload_and_is_tried_first_within_the_margin(cluster_of_two):
+    """A weak camera must not upload a model while frames run if it can help it: a runner of a plan whose models
+    this device holds on the servers sends no bytes, and live adaptation tries such a plan rather than the
+    cost model's best when it is predicted within the margin of it (else the best)."""
+    from deepco_device.runners import warm
+
+    dev, _ = cluster_of_two
+    planner = StagedPlanner(dev)
+    ranked = planner.plans("latency")
+    plan = next(p for p in ranked[1:] if p.kind == "split")
+    StagedRunner(dev, plan).close()  # its models extracted (warm compares their bytes) and given back
+    before = warm(dev, plan)  # True only where an earlier test's runner (a standby finalist) still holds them
+    first = StagedRunner(dev, plan)
+    try:
+        assert warm(dev, plan)
+        sent = dev.pool.bytes_sent()
+        StagedRunner(dev, plan).close()  # a second runner of it (a switch back to it): nothing uploaded
+        assert dev.pool.bytes_sent() == sent
+    finally:
+        first.close()
+    assert warm(dev, plan) == before  # given back: warm only where another runner still holds them
+    rates = planner.rates()
+    for margin, want in ((1e6, plan), (0.0, ranked[0])):
+        adapt = Adaptation(dev, lambda down, r: ranked, margin=margin, warm=lambda p: p is plan)
+        assert adapt.choose(ranked, rates) == (want, want is plan)
+
+
+def test_a_server_down_at_setup_is_measured_when_it_comes_up_and_joins_through_a_trial(partition_zoo):
+    """`server-join`: setup leaves out a server that does not answer (one line), plans without it, and once it
+    answers the run measures it and tries a plan with it on live frames; no frame is lost, every output exact."""
+    import socket
+
+    _, path = partition_zoo("resnet18", 0, 0)
+    with socket.socket() as s:  # a free port: the late server listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        first = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2),
+                       choose_runtime("cpu", 1))
+        stack.callback(first.stop, 1)
+        cluster = parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
+                                 "servers": [{"name": "s0", "capacity": 1.0, "address": first.address},
+                                             {"name": "s1", "capacity": 1.0, "address": f"127.0.0.1:{port}"}]})
+        lines: list[str] = []
+        dev = stack.enter_context(Device(cluster, path, H, W, log=lines.append))
+        dev.setup(rows=False)
+        assert dev.down == {"s1"} and any(line.startswith("down at start: s1 (") for line in lines)
+        planner = StagedPlanner(dev)
+        assert planner.servers() == ["s0"] and "s1" not in dev.measured.server_flops_per_second
+        runner = StagedRunner(dev, planner.best())
+        adapt = Adaptation(dev, lambda down, rates: planner.plans("latency", exclude=down, rates=rates))
+        frames: dict[int, np.ndarray] = {}
+
+        def decided() -> list[str]:
+            """What live adaptation made of s1's joining: a plan with it tried (switched to or not), or none
+            better planned (an event, not a line)."""
+            tried = [line for line in lines if line.startswith(("switch: ", "kept ")) and "s1 back" in line]
+            return tried + [e["why"] for e in dev.events if e["event"] == "kept" and "s1 back" in e["why"]]
+
+        def source() -> Iterator[np.ndarray]:
+            """Frames until live adaptation has decided on s1 (or a minute has passed: then the test fails)."""
+            deadline = time.monotonic() + 60
+            for k in itertools.count():
+                if time.monotonic() > deadline:
+                    return
+                if k == 3:
+                    late = Server(ServeConfig(port=port, device="cpu", threads=1, max_models=32, max_inflight=2),
+                                  choose_runtime("cpu", 1))
+                    stack.callback(late.stop, 1)
+                if decided():
+                    return
+                frames[k] = pixels(k)
+                yield frames[k]
+
+        results = list(runner.run_frames(source(), depth=2, replan=lambda down: planner.best(exclude=down),
+                                         adapt=adapt))
+    assert any(line.startswith("server s1 measured on joining") for line in lines), lines
+    assert "server s1 is back" in lines and dev.measured.server_flops_per_second["s1"] > 0
+    assert len(decided()) == 1, (lines, dev.events)
+    assert [r.index for r in results] == list(range(len(frames)))
+    reference = whole_model(dev)
+    for r in results:
+        assert r.error is None and exact(reference(frames[r.index]), r.output), r.index
+
+
+def test_a_plan_already_on_the_servers_is_tried_at_once_without_a_search_and_the_search_follows(cluster_of_two):
+    """On a change point, a known plan whose models are held and that the current rates predict faster is
+    tried at once (a weak camera's search takes seconds while frames run slow); its trial asks for the search
+    after it, which runs only then."""
+    dev, _ = cluster_of_two
+    planner = StagedPlanner(dev)
+    ranked = planner.plans("latency")
+    running, fast = ranked[-1], ranked[0]
+    searched = []
+
+    def propose(down, rates):
+        searched.append(set(down))
+        return ranked
+
+    adapt = Adaptation(dev, propose, warm=lambda p: True, known=[fast, running])
+    trial = adapt.candidate(running, set(), "server s0 4.00x slower")
+    assert trial.plan is fast and trial.cause == "server s0 4.00x slower" and searched == []
+    assert "its models on the servers already" in trial.why
+    Adaptation(dev, propose, warm=lambda p: True, known=[running]).candidate(running, set(), "x")
+    assert searched == [set()]  # no other plan known: the search
+    searched.clear()
+    after = adapt.candidate(fast, set(), trial.cause, quick=False)
+    assert searched == [set()] and (after is None or after.cause == "")

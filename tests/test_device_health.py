@@ -81,8 +81,9 @@ def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so
 
     class Adapt:  # live adaptation's answer: the plan with every server that is up, on trial
         live = SimpleNamespace(restart=lambda: None)
+        known: list = []
 
-        def candidate(self, running, down, why, margin=None):
+        def candidate(self, running, down, why, margin=None, quick=True):
             tried.append(set(down))
             return Trial(plan_on([s for s in ["s0", "s1", "s2"] if s not in down]), why)
 
@@ -131,7 +132,7 @@ def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
     class Adapt:  # the plan with s2 back is the running one (e.g. two rows for three servers)
         live = SimpleNamespace(restart=lambda: None)
 
-        def candidate(self, running, down, why, margin=None):
+        def candidate(self, running, down, why, margin=None, quick=True):
             return None
 
     health.adapt = Adapt()
@@ -142,3 +143,37 @@ def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
     assert device.lines[-2:] == ["server s2 is back",
                                  "adapt: s2 back, but the plan with them is the running one: split over 2 servers"]
     assert health.current().plan.servers == ["s0", "s1"]
+
+
+def test_a_change_point_seen_while_a_candidate_is_planned_is_planned_on_after_it():
+    """A search takes seconds on a weak camera; a change point that comes meanwhile (the step after a blip) is
+    seen once only, so it is planned on once the search ends, not dropped (the antennas dropped to a tenth,
+    and the run kept its plan for good)."""
+    health, device, calls, first = make_health(["s0", "s1"])
+    asked, later = [], []
+
+    class Adapt:
+        def candidate(self, running, down, why, margin=None, quick=True):
+            asked.append(why)
+            return None  # the rates before the step: nothing better
+
+    health.adapt = Adapt()
+    health.background = lambda fn, *args: later.append((fn, args))  # the search runs when the test says
+    health._consider("antenna 0 2.00x faster")
+    health._consider("antenna 0 6.00x slower")  # while the first is planned
+    fn, args = later.pop()
+    fn(*args)
+    assert asked == ["antenna 0 2.00x faster"] and len(later) == 1  # the second is planned on next
+    fn, args = later.pop()
+    fn(*args)
+    assert asked == ["antenna 0 2.00x faster", "antenna 0 6.00x slower"] and not later
+
+
+def test_a_trial_of_the_same_server_on_another_antenna_names_the_antennas():
+    """The bandwidth-drop scenario printed 'kept offload to s1: tried offload to s1': the trial moved the
+    offload to the other antenna, which the line must say."""
+    on0 = StagedPlan("auto", "offload", servers=["s1"], antennas=[0], order=[0])
+    on1 = StagedPlan("auto", "offload", servers=["s1"], antennas=[1], order=[0])
+    assert on0.brief_beside(on1) == "offload to s1 over antenna 0"
+    assert on1.brief_beside(on0) == "offload to s1 over antenna 1"
+    assert on0.brief_beside(StagedPlan("auto", "offload", servers=["s0"], antennas=[1], order=[0])) == "offload to s1"

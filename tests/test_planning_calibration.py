@@ -242,3 +242,25 @@ def test_calibration_in_a_world_of_slower_layers_fits_it_and_ends_on_the_truly_f
     # choose: a plan of fewer steps within SIMPLER_MARGIN of the fastest wins
     assert predict(got.plan, costs, true)["frame"] <= 1.03 * fastest.predicted + 1e-9
     assert got.plan.fidelity["within"]
+
+
+def test_with_spare_the_finalists_still_held_at_the_end_are_kept_not_released(costs):
+    """Live adaptation's standby: two plans measure alike (both finalists of the runoff); the one not chosen
+    goes to ``spare`` with its resources still held, and no finalist is released."""
+    from deepco.planning.calibration import calibrate, plan_key
+    from deepco.planning.staged import offload_plan
+
+    r = rates()
+    first = _fake_bench(costs, lambda plan: 1.0)[2](r, "latency", "all")[0]  # the first plan planned and timed
+    twins = {first.describe(), offload_plan(costs, r, "s1").describe()}
+    time_plan, release, candidates, held, released = _fake_bench(
+        costs, lambda plan: 0.010 if plan.describe() in twins else 1.0)
+
+    def with_offloads(rr, objective, shapes):
+        return [offload_plan(costs, rr, "s1")] if shapes == "offload" else candidates(rr, objective, shapes)
+
+    spared = []
+    got = calibrate(costs, r, with_offloads, time_plan, release, log=lambda _: None, settle=0, spare=spared.append)
+    assert got.plan.describe() in twins and [p.describe() for p in spared] == sorted(twins - {got.plan.describe()})
+    assert sorted(held.values()) == sorted(twins)  # the chosen plan's and the spare's resources stay held
+    assert not twins & set(released) and plan_key(spared[0]) in held

@@ -101,12 +101,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", choices=list(SWEEPS), default=None,
                    help="repeat over a range: bandwidth 25..400 Mbit/s, capacity x0.5..x2 (every server's CPU "
                         "share), antennas 1..4, servers 1..4 (default: one point)")
-    p.add_argument("--scenario", choices=["bandwidth-drop", "server-slowdown"], default=None,
+    p.add_argument("--scenario", choices=["bandwidth-drop", "bandwidth-rise", "server-slowdown", "server-join",
+                                          "contention"], default=None,
                    help="instead of a table: change the emulated network in the middle of a run of auto (every "
-                        "antenna to a tenth, or the busiest server to a quarter of its CPU share) and report each "
-                        "phase and the frames until adapted (needs the kernel emulation; default: none)")
+                        "antenna to a tenth or from a tenth to full, the busiest server to a quarter of its CPU "
+                        "share, the last server up from down, a second device on the same servers) and report "
+                        "each phase (auto, the static plans, a fresh setup) and the frames until adapted "
+                        "(docs/usage.md; needs the kernel emulation; default: none)")
     p.add_argument("--phase-frames", type=int, default=60,
-                   help="--scenario: frames before the change and after it (default 60)")
+                   help="--scenario: frames after calibration before the change, and at least as many after it "
+                        "(default 60)")
+    p.add_argument("--static-frames", type=int, default=20,
+                   help="--scenario: timed frames of each static plan in each phase (default 20; 0: none)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="--scenario: keep every run's log, printed lines and the servers' logs in DIR (a new or "
+                        "empty folder; default: a temporary folder, removed at the end)")
     p.add_argument("--json", metavar="FILE",
                    help="write every result as JSON to FILE (fields: docs/formats.md; default: none)")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of measured and predicted latency (default: none)")
@@ -495,11 +504,20 @@ def _scenario(args: argparse.Namespace) -> int:
 
     if args.phase_frames < 2 * scenarios.ADAPTED_WINDOW:
         raise UserError(f"--phase-frames must be at least {2 * scenarios.ADAPTED_WINDOW}, got {args.phase_frames}")
-    with tempfile.TemporaryDirectory(prefix="deepco-scenario-") as tmp:
-        result = scenarios.run_scenario(args, Path(tmp))
+    if args.static_frames < 0:
+        raise UserError(f"--static-frames must be 0 or more, got {args.static_frames}")
+    if args.keep is not None:
+        keep = Path(args.keep)
+        if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+            raise UserError(f"--keep {args.keep}: not a new or empty folder")
+        keep.mkdir(parents=True, exist_ok=True)
+        result = scenarios.run_repeats(args, keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="deepco-scenario-") as tmp:
+            result = scenarios.run_repeats(args, Path(tmp))
     print(scenarios.report(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
         scenarios.plot(result, args.plot)
-    return 0 if result["lost"] == 0 and result["in_order"] else 1
+    return 0 if result["median"]["lost"] == 0 and result["median"]["in_order"] else 1

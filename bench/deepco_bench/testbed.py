@@ -170,37 +170,42 @@ def leftovers(prefix: str = "dc") -> dict[str, list[str]]:
         links = _run("ip", "-o", "link", "show", check=False).stdout.split("\n")
         found["links"] = [line.split(": ")[1].split("@")[0] for line in links
                           if line.count(": ") >= 2 and line.split(": ")[1].startswith(prefix)]
-    root = cgroup_root()
-    if root is not None:
-        found["cgroups"] = sorted(p.name for p in root[1].glob(f"{prefix}*") if p.is_dir())
+    found["cgroups"] = sorted(p.name for p in _cgroups_named(prefix))
     return found
+
+
+def _cgroups_named(prefix: str, cgroups: Path | None = None) -> list[Path]:
+    """The cpu cgroups whose names start with ``prefix`` in ``cgroups``, by default in the hierarchy's root and
+    in this process's own group (where a testbed makes them: `Testbed.cgroups`)."""
+    root = cgroup_root()
+    if root is None:
+        return []
+    own = cpu_group_of()
+    bases = [cgroups] if cgroups is not None else list(dict.fromkeys([root[1], *([own] if own else [])]))
+    return [p for base in bases for p in base.glob(f"{prefix}*") if p.is_dir()]
 
 
 def remove_everything(prefix: str, cgroups: Path | None = None) -> None:
     """Kill what runs in the prefix's namespaces and cgroups, then delete namespaces, links and cgroups
-    (``cgroups``: the folder the groups are in, by default the cpu hierarchy's root)."""
+    (``cgroups``: the folder the groups are in, by default the cpu hierarchy's root and this process's own
+    group)."""
     mine = leftovers(prefix)
     for ns in mine["netns"]:
         pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-    root = cgroup_root()
-    if root is not None:
-        base = cgroups or root[1]
-        names = [p.name for p in base.glob(f"{prefix}*") if p.is_dir()] if cgroups else mine["cgroups"]
-        for name in names:
-            group = base / name
-            procs = group / "cgroup.procs"
-            for pid in procs.read_text().split() if procs.exists() else []:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            for _ in range(50):  # a killed process leaves its cgroup a moment later
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.02)
+    for group in _cgroups_named(prefix, cgroups):
+        procs = group / "cgroup.procs"
+        for pid in procs.read_text().split() if procs.exists() else []:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        for _ in range(50):  # a killed process leaves its cgroup a moment later
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
     for ns in mine["netns"]:  # deleting a namespace deletes its veths and their qdiscs
         _run("ip", "netns", "del", ns, check=False)
     for link in mine["links"]:
@@ -224,6 +229,9 @@ class Testbed:
     reason: str | None = None
     _reaper: subprocess.Popen | None = None
     _previous_handlers: dict = field(default_factory=dict)
+    # the cpu cgroup the testbed's groups are made in: the caller's own (an idle-priority group given to the
+    # caller then bounds the testbed too, as `deepco demo` does), else the hierarchy's root
+    cgroups: Path | None = None
 
     # -- names -------------------------------------------------------------------------------------------
     @property
@@ -263,6 +271,8 @@ class Testbed:
         self.reason = "forced" if self.force_fallback else kernel_emulation_available()
         self.kernel = self.reason is None
         if self.kernel:
+            own, root = cpu_group_of(), cgroup_root()
+            self.cgroups = own if own is not None and os.access(own, os.W_OK) else (root[1] if root else None)
             self._catch_signals()
             self._start_reaper()
             try:
@@ -289,7 +299,7 @@ class Testbed:
                 proc.wait()
         self.processes.clear()
         if self.kernel:
-            remove_everything(self.prefix)
+            remove_everything(self.prefix, self.cgroups)
             if self._reaper is not None and self._reaper.poll() is None:
                 self._reaper.kill()
                 self._reaper.wait()
@@ -311,11 +321,12 @@ class Testbed:
 
     def _start_reaper(self) -> None:
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "deepco_bench.testbed", "--reap", str(os.getpid()), self.prefix],
+            [sys.executable, "-m", "deepco_bench.testbed", "--reap", str(os.getpid()), self.prefix,
+             str(self.cgroups or "")],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _build(self) -> None:
-        remove_everything(self.prefix)  # a previous owner with our pid may have been killed
+        remove_everything(self.prefix, self.cgroups)  # a previous owner with our pid may have been killed
         p, spec = self.prefix, self.spec
         ip = ("ip", "netns", "exec")
         _run("ip", "netns", "add", self.device_ns)
@@ -399,9 +410,8 @@ class Testbed:
             self._make_cgroup("dev", self.spec.device_cpu)
 
     def _cgroup(self, who: str) -> Path:
-        root = cgroup_root()
-        assert root is not None
-        return root[1] / f"{self.prefix}-{who}"
+        assert self.cgroups is not None
+        return self.cgroups / f"{self.prefix}-{who}"
 
     def _make_cgroup(self, who: str, cpu: float | None) -> None:
         version, _ = cgroup_root() or ("", None)
@@ -421,8 +431,29 @@ class Testbed:
                 (group / "cpu.weight").write_text(str(CPU_WEIGHT_V2))
 
     # -- processes ---------------------------------------------------------------------------------------
-    def spawn(self, argv: list[str], *, server: int | None = None, **popen) -> subprocess.Popen:
-        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device's.
+    def add_device(self, name: str) -> str:
+        """A second device's cgroup (``dev-NAME``), with the device's CPU share: it runs in the device's namespace,
+        so it shares the antennas (one radio cell), but not the first device's CPU. Its group for `spawn`."""
+        if self.kernel:
+            self._make_cgroup(f"dev-{name}", self.spec.device_cpu)
+        return f"dev-{name}"
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """Stop one process `spawn` started (e.g. a server going down mid-run)."""
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc in self.processes:
+            self.processes.remove(proc)
+
+    def spawn(self, argv: list[str], *, server: int | None = None, group: str | None = None,
+              **popen) -> subprocess.Popen:
+        """Start ``argv`` in server k's namespace and cgroup, or (server=None) in the device's (``group``: the
+        cgroup `add_device` made for a second device).
 
         In fallback mode it runs here, niced in proportion to the server's CPU share.
         """
@@ -432,7 +463,7 @@ class Testbed:
             cmd = ["nice", "-n", str(nice), *argv] if nice else list(argv)
         else:
             # Join the cgroup before exec so that no instruction runs outside the quota.
-            who, ns = ("dev", self.device_ns) if server is None else (f"s{server}", self.server_ns(server))
+            who, ns = (group or "dev", self.device_ns) if server is None else (f"s{server}", self.server_ns(server))
             procs = self._cgroup(who) / "cgroup.procs"
             cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", "ip", "netns", "exec", ns, *argv]
         proc = subprocess.Popen(cmd, **popen)
@@ -440,8 +471,8 @@ class Testbed:
         return proc
 
 
-def _reap(owner: int, prefix: str) -> None:
-    """Wait for ``owner`` to die, then remove everything named with ``prefix``."""
+def _reap(owner: int, prefix: str, cgroups: Path | None = None) -> None:
+    """Wait for ``owner`` to die, then remove everything named with ``prefix`` (its cgroups in ``cgroups``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
@@ -449,12 +480,12 @@ def _reap(owner: int, prefix: str) -> None:
         except ProcessLookupError:
             break
         time.sleep(0.2)
-    remove_everything(prefix)
+    remove_everything(prefix, cgroups)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--reap":
-        _reap(int(sys.argv[2]), sys.argv[3])
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--reap":
+        _reap(int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]) if len(sys.argv) == 5 and sys.argv[4] else None)
     else:
-        print("usage: python -m deepco_bench.testbed --reap OWNER_PID PREFIX", file=sys.stderr)
+        print("usage: python -m deepco_bench.testbed --reap OWNER_PID PREFIX [CGROUP_DIR]", file=sys.stderr)
         sys.exit(2)

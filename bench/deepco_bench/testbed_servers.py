@@ -63,23 +63,41 @@ def write_cluster(path: Path, tb: Testbed, ports: list[int], bandwidth: float) -
     return path
 
 
+def serve_argv(tb: Testbed, k: int) -> list[str]:
+    """The `deepco serve` of server k in ``tb`` (--peers: server-to-server exchanges cross the namespaces'
+    non-loopback addresses)."""
+    servers = len(tb.spec.servers)
+    ports = [PORT if tb.kernel else PORT + j for j in range(servers)]
+    host = "0.0.0.0" if tb.kernel else "127.0.0.1"
+    peers = ",".join(f"{tb.server_host(j, 0)}:{ports[j]}" for j in range(servers))
+    return [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64",
+            "--max-inflight", "8",  # room for two pipelined frames' jobs (each holds a thread per feeder)
+            "--peers", peers, "--port", str(ports[k])]
+
+
+def start_server(tb: Testbed, k: int, log) -> subprocess.Popen:
+    """Start server k of ``tb`` (its output to ``log``) and wait until it listens; its process."""
+    proc = tb.spawn(serve_argv(tb, k), server=k, stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()
+    if "listening" not in line:
+        raise UserError(f"server s{k} did not start in the testbed (it printed {line.strip()!r})")
+    return proc
+
+
 def start_servers(tb: Testbed, workdir: Path, name: str) -> tuple[Path, list]:
     """Start a `deepco serve` in every server of ``tb``, apply their CPU shares once they listen; the cluster
     file the device reads (cluster-NAME.toml in ``workdir``) and the servers' log files."""
+    cluster, _, logs = set_up_servers(tb, workdir, name)
+    return cluster, logs
+
+
+def set_up_servers(tb: Testbed, workdir: Path, name: str,
+                   up: int | None = None) -> tuple[Path, list[subprocess.Popen | None], list]:
+    """`start_servers`, but only the first ``up`` servers (the cluster file names them all): the cluster file,
+    each server's process (None: not started) and the servers' log files."""
     servers = len(tb.spec.servers)
     ports = [PORT if tb.kernel else PORT + k for k in range(servers)]
-    host = "0.0.0.0" if tb.kernel else "127.0.0.1"
-    # --peers: server-to-server exchanges cross the namespaces' (non-loopback) addresses.
-    peers = ",".join(f"{tb.server_host(k, 0)}:{ports[k]}" for k in range(servers))
-    serve = [sys.executable, "-m", "deepco", "serve", "--host", host, "--threads", "1", "--max-models", "64",
-             "--max-inflight", "8",  # room for two pipelined frames' jobs (each holds a thread per feeder)
-             "--peers", peers]
     logs = [(workdir / f"server-{k}.log").open("w") for k in range(servers)]
-    procs = [tb.spawn([*serve, "--port", str(ports[k])], server=k, stdout=subprocess.PIPE,
-                      stderr=logs[k], text=True) for k in range(servers)]
-    for k, proc in enumerate(procs):
-        line = proc.stdout.readline()
-        if "listening" not in line:
-            raise UserError(f"server s{k} did not start in the testbed (it printed {line.strip()!r})")
+    procs = [start_server(tb, k, logs[k]) if up is None or k < up else None for k in range(servers)]
     tb.apply_cpu_limits(device=False)  # only now: start-up at a tenth of a core would take a while
-    return write_cluster(workdir / f"cluster-{name}.toml", tb, ports, tb.spec.antenna_mbps[0]), logs
+    return write_cluster(workdir / f"cluster-{name}.toml", tb, ports, tb.spec.antenna_mbps[0]), procs, logs

@@ -326,7 +326,8 @@ class _Bench:
 def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan: TimePlan,
               release: Callable[[StagedPlan], None], *, objective: str = "latency", frames: int = 2, rounds: int = 3,
               runoff_frames: int = 6, log: Callable[[str], None] = print, compute_scale: float = 1.0,
-              step_overhead: float = 0.0, settle: float = SETTLE_SECONDS) -> Calibrated:
+              step_overhead: float = 0.0, settle: float = SETTLE_SECONDS,
+              spare: Callable[[StagedPlan], None] | None = None) -> Calibrated:
     """Plan (``candidates`` on the rates fitted so far), time the plan (``time_plan``), fit the cost model's
     compute scale and per-step overhead (`fit`, from the measured ``rates``), plan again; stop when the plan
     repeats. For latency, time local, the best offload and the paper's shape as contenders too, then run the
@@ -336,10 +337,14 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
     A plan ``time_plan`` refuses (Unfit) is skipped with a one-line note, after the other held plans were
     released in case they are what fills the servers; every plan that cannot be chosen any more is released
     at once (``release``), and at the end every plan but the chosen one: calibration never holds more than the
-    finalists' resources."""
+    finalists' resources. With ``spare``, the finalists still held at the end go to it instead of ``release``
+    (live adaptation keeps their models on the servers: a switch to a plan that needs them uploads nothing)."""
     bench = _Bench(costs, rates, time_plan, release, log, frames, compute_scale, step_overhead, settle)
     try:
         plan = _calibrate(bench, candidates, objective, rounds, runoff_frames)
+        if spare is not None:
+            for key in [k for k in bench.held if k != bench._kept]:
+                spare(bench.held.pop(key))
     finally:
         bench.give_back(lambda k: k != bench._kept)
     return Calibrated(plan, bench.scale, bench.overhead, bench.trials)

@@ -145,6 +145,15 @@ class StagedPlan:
         stages = f", {len(self.levels)} stages" if len(self.levels) > 1 else ""
         return f"{self.kind} over {onto}{rows}{stages}" + (f", tail on {self.tail}" if self.tail else "")
 
+    def brief_beside(self, other: StagedPlan) -> str:
+        """`brief`, with the antennas where it would read as ``other``'s (e.g. an offload moved to another antenna:
+        ``offload to s1 over antenna 1``), so that a switch or a trial line never names two plans alike."""
+        mine = self.brief()
+        if mine != other.brief() or self.antennas == other.antennas:
+            return mine
+        used = sorted({m for m in self.antennas if m >= 0})
+        return f"{mine} over antenna{'s' if len(used) > 1 else ''} {', '.join(map(str, used))}"
+
 
 def same_plan(a: dict, b: dict) -> bool:
     """Whether two plans (`StagedPlan.to_dict` form) run the same way: equal in everything but their name,

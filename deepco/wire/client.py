@@ -32,7 +32,12 @@ def content_name(base: str, model_bytes: bytes) -> str:
     `deepco serve` loads under such a name only a file with that digest and never replaces a loaded name, so
     whoever runs the name runs those bytes, whoever uploaded them first.
     """
-    return f"{base[:100]}-sha256-{hashlib.sha256(model_bytes).hexdigest()[:16]}"
+    return content_name_of(base, hashlib.sha256(model_bytes).hexdigest())
+
+
+def content_name_of(base: str, sha256: str) -> str:
+    """`content_name` from the file's SHA-256 (hex), where the caller has it already."""
+    return f"{base[:100]}-sha256-{sha256[:16]}"
 
 
 class ServerError(UserError):

@@ -145,12 +145,19 @@ class TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
         return continuation(self._details(details), request_iterator)
 
 
+# A channel to a server that is down retries with exponential backoff, by default up to two minutes: a server
+# that comes back (or up for the first time) would not be seen for that long. A device probes its down servers
+# every half second (device.health), so it reconnects at least every second.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
+
+
 def make_channel(address: str, security: ChannelSecurity | None = None,
                  options: Sequence[tuple[str, Any]] = GRPC_MESSAGE_OPTIONS) -> grpc.Channel:
     """A channel to ``address`` secured as ``security`` says (plain text when None), with DeepCo's message
     size options. Close it with ``.close()`` as any gRPC channel."""
     security = security or ChannelSecurity()
-    opts = list(options)
+    opts = [*options, *RECONNECT_OPTIONS]
     if security.server_name:
         opts.append(("grpc.ssl_target_name_override", security.server_name))
     if security.tls:
