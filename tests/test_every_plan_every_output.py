@@ -184,11 +184,11 @@ def test_the_scenario_bench_judges_every_output_of_every_saved_frame(two_outputs
     inputs = np.random.default_rng(4).standard_normal((3, 1, 3, H, W)).astype(np.float32)
     frames = [whole_model(two_outputs, x) for x in inputs]
     frames[1] = None  # failed
-    log = tmp_path / "scenario.jsonl"
-    np.savez(log.with_suffix(".npz"), inputs=inputs[:, 0], **saved_outputs(frames))
-    errors = frame_errors(log, two_outputs, f"{H}x{W}")
+    saved = tmp_path / "scenario.npz"
+    np.savez(saved, inputs=inputs[:, 0], **saved_outputs(frames))
+    errors = frame_errors(saved, two_outputs, f"{H}x{W}")
     assert len(errors) == 3 and np.isnan(errors[1]) and max(errors[0], errors[2]) <= 1e-6, errors
     bad = saved_outputs([whole_model(two_outputs, x) for x in inputs])
     bad["outputs/scores"][2] += 0.01  # scores are in [0, 1]: a 1% error in the second output alone is seen
-    np.savez(log.with_suffix(".npz"), inputs=inputs[:, 0], **bad)
-    assert frame_errors(log, two_outputs, f"{H}x{W}")[2] >= 0.005
+    np.savez(saved, inputs=inputs[:, 0], **bad)
+    assert frame_errors(saved, two_outputs, f"{H}x{W}")[2] >= 0.005

@@ -261,6 +261,7 @@ def test_with_spare_the_finalists_still_held_at_the_end_are_kept_not_released(co
 
     spared = []
     got = calibrate(costs, r, with_offloads, time_plan, release, log=lambda _: None, settle=0, spare=spared.append)
-    assert got.plan.describe() in twins and [p.describe() for p in spared] == sorted(twins - {got.plan.describe()})
-    assert sorted(held.values()) == sorted(twins)  # the chosen plan's and the spare's resources stay held
-    assert not twins & set(released) and plan_key(spared[0]) in held
+    # (a twin may be timed twice, in two band weightings of the same shape: both are finalists, both spared)
+    assert got.plan.describe() in twins and {p.describe() for p in spared} == twins - {got.plan.describe()}
+    assert sorted(held) == sorted([plan_key(got.plan), *map(plan_key, spared)])  # chosen and spares stay held
+    assert not twins & set(released)
