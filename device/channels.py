@@ -46,12 +46,13 @@ class Channels:
         'connection refused'), by name; {} when all are. Servers started together with the device get
         ``grace`` to come up; one that is down delays the start by ``grace``, not ``timeout``."""
         names = [s.name for s in self.cluster.servers]
+        clients = {name: self.client(name, 0) for name in names}  # opened here: `client` is not for threads
         reached: set[str] = set()
         changed = threading.Condition()
 
         def wait(name: str) -> None:  # a thread each: a server that is down waits out ``timeout`` on its own
             try:
-                self.client(name, 0).wait_ready(timeout)
+                clients[name].wait_ready(timeout)
             except ServerError:
                 return
             with changed:
