@@ -265,3 +265,42 @@ def test_with_spare_the_finalists_still_held_at_the_end_are_kept_not_released(co
     assert got.plan.describe() in twins and {p.describe() for p in spared} == twins - {got.plan.describe()}
     assert sorted(held) == sorted([plan_key(got.plan), *map(plan_key, spared)])  # chosen and spares stay held
     assert not twins & set(released)
+
+
+def test_finalists_that_do_not_fit_together_are_not_swapped_in_and_out_every_runoff_frame(costs):
+    """Servers with room for two plans' models and four finalists that measure alike: the runoff holds the
+    fastest that fit together and leaves the rest out, instead of setting a plan up again (an upload on real
+    servers) for every frame of an interleaved runoff. No plan is set up more than twice in all: once when
+    first timed, once more if it was given back to make room before the runoff."""
+    from collections import Counter
+
+    from deepco.planning.calibration import Unfit, calibrate, plan_key
+
+    r = rates()
+    held: set[str] = set()
+    setups: Counter = Counter()
+    spread = iter([0.09, 0.11] * 1000)
+
+    def time_plan(plan, frames, warm_up):
+        key = plan_key(plan)
+        if key not in held:
+            if len(held) >= 2:
+                raise Unfit("the servers' model slots are full")
+            held.add(key)
+            setups[plan.describe()] += 1
+        return [next(spread) for _ in range(frames)]
+
+    def candidates(rr, objective, shapes):
+        from deepco.planning.staged import search
+
+        ranked = search(costs, rr, ["s0", "s1"], objective=objective, shapes=shapes)
+        return [offload_plan(costs, rr, "s1")] if shapes == "offload" else ranked if shapes == "all" else ranked[:1]
+
+    lines: list[str] = []
+    got = calibrate(costs, r, candidates, time_plan, lambda plan: held.discard(plan_key(plan)),
+                    log=lines.append, settle=0, runoff_frames=6)
+    runoffs = [t for t in got.trials if t["note"] == "runoff"]
+    assert runoffs, lines  # the plans measured alike: there was a runoff
+    assert len(setups) >= 3, setups  # more finalists than the two that fit together
+    assert max(setups.values()) <= 2, setups
+    assert plan_key(got.plan) in held

@@ -21,7 +21,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -250,11 +250,12 @@ class _Bench:
         fastest = self.fastest().mean
         return [k for k, t in self.timed.items() if t.mean <= fastest * (1 + RUNOFF_WITHIN)]
 
-    def run(self, plan: StagedPlan, frames: int, warm_up: bool, make_room: bool = True) -> list[float] | None:
-        """``time_plan``, or None with a note when the plan does not fit even after the other held plans were
-        released (they may be what fills the servers; not with ``make_room`` False: they are finalists)."""
+    def run(self, plan: StagedPlan, frames: int, warm_up: bool,
+            keep: Collection[str] | None = ()) -> list[float] | None:
+        """``time_plan``, or None with a note when the plan does not fit even after the other held plans but
+        ``keep`` were released (they may be what fills the servers). With ``keep`` None, none is released."""
         key = plan_key(plan)
-        tries = 2 if make_room else 1
+        tries = 1 if keep is None else 2
         for attempt in range(tries):
             try:
                 seconds = self.time_plan(plan, frames, warm_up)
@@ -264,17 +265,17 @@ class _Bench:
                     self.unfit.add(key)
                     self.log(f"calibration: skipped {plan.describe()}: {exc}")
                     return None
-                self.give_back(lambda k: k != key)
+                self.give_back(lambda k: k != key and k not in keep)
         self.held[key] = plan
         return seconds
 
     def refit(self) -> None:
         self.scale, self.overhead = fit(list(self.timed.values()), self.costs, self.measured)
 
-    def time(self, plan: StagedPlan, note: str, make_room: bool = True) -> None:
+    def time(self, plan: StagedPlan, note: str, keep: Collection[str] | None = ()) -> None:
         """Time ``plan`` on ``frames`` frames after a warm-up, refit the cost model, log it, and release the
-        plans that can no longer be chosen (`run`'s ``make_room``)."""
-        seconds = self.run(plan, self.frames, True, make_room)
+        plans that can no longer be chosen (`run`'s ``keep``)."""
+        seconds = self.run(plan, self.frames, True, keep)
         if seconds is None:
             return
         key = plan_key(plan)
@@ -292,21 +293,31 @@ class _Bench:
     def runoff(self, finalists: list[str], frames: int, before: Sequence[Timed] = ()) -> list[Timed]:
         """The ``finalists`` run again side by side, interleaved in a fresh order every round on refilled
         quotas; their timings (added to ``timed`` too), after those of an earlier runoff (``before``). A
-        finalist whose resources no longer fit is left out."""
-        ready = {k: self.timed[k].plan for k in finalists if self.run(self.timed[k].plan, 0, False) is not None}
+        finalist whose resources do not fit beside the faster ones' is left out (`_ready`)."""
+        ready = self._ready(finalists)
         earlier = {plan_key(t.plan): t.seconds for t in before}
         runoff = {k: Timed(plan, list(earlier.get(k, []))) for k, plan in ready.items()}
         new = {k: len(t.seconds) for k, t in runoff.items()}
         for i in range(frames):
             for k in round_order(list(ready), i):
                 time.sleep(self.settle)
-                runoff[k].seconds.extend(self.run(ready[k], 1, False) or [])
+                runoff[k].seconds.extend(self.run(ready[k], 1, False, keep=ready) or [])
         for k, t in runoff.items():
             self.timed[k] = Timed(t.plan, self.timed[k].seconds + t.seconds[new[k]:])
             self.trials.append({"plan": t.plan.describe(), "measured": t.mean, "steps": steps(t.plan),
                                 "note": "runoff", "frames": len(t.seconds)})
             self.log(f"calibration (runoff, {len(t.seconds)} frames): {t.plan.describe()}: {t.mean * 1e3:.1f} ms")
         return list(runoff.values())
+
+    def _ready(self, finalists: list[str]) -> dict[str, StagedPlan]:
+        """The finalists held together for a runoff, fastest first. Room for one is made only by giving back
+        slower finalists, so that each plan's resources are set up at most once here: with more finalists
+        than the servers' model slots hold, interleaving would otherwise swap (upload) models every frame."""
+        ready: dict[str, StagedPlan] = {}
+        for key in sorted(finalists, key=lambda k: self.timed[k].mean):
+            if self.run(self.timed[key].plan, 0, False, keep=ready) is not None:
+                ready[key] = self.timed[key].plan
+        return ready
 
     def repredict(self, plan: StagedPlan) -> StagedPlan:
         """``plan`` predicted with the fitted model."""
@@ -378,7 +389,7 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
     # beside the plans timed so far: those are now the finalists)
     replanned = bench.first_new(candidates(bench.rates(), objective, "all"))
     if replanned is not None and plan_key(replanned) not in bench.timed:
-        bench.time(replanned, "planned on the final fit", make_room=False)
+        bench.time(replanned, "planned on the final fit", keep=None)
     finalists = bench.finalists()
     if len(finalists) > 1:
         # Two frames each cannot tell plans 10% apart on a quota'd CPU: the close ones run again, side by
