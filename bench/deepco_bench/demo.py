@@ -228,6 +228,7 @@ def worker(spec_path: str) -> int:
     log = lambda line: print(f"device: {line}", flush=True)  # noqa: E731
     with Device(load_cluster(spec["cluster"]), spec["model"], h, w, pace=True, log=log) as dev:
         dev.load()  # the model and its partitioner: what a camera has done before it is switched on
+        import scipy.optimize  # noqa: F401  calibration's solver: software a camera has loaded before it runs
         if spec["cgroup"]:  # from here on every instruction of the device runs under the quota
             Path(spec["cgroup"]).write_text(str(os.getpid()))
         log("measuring the camera, each server and each link ...")
