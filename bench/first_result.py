@@ -58,14 +58,17 @@ def servers(ports: list[int]):
             proc.wait(timeout=60)
 
 
-def timed_run(cmd: list[str], models: Path, spawn=subprocess.Popen) -> dict:
+def timed_run(cmd: list[str], models: Path, spawn=subprocess.Popen, log=None) -> dict:
     """Run ``cmd`` (started by ``spawn``) with its zoo exports kept in ``models``; seconds to its first frame
     line, MB on its `plan:` line, the first 30 frames' p50 (ms)."""
     start = time.perf_counter()
-    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if log is None else subprocess.STDOUT,
+                 text=True, cwd=ROOT,
                  env=dict(os.environ, DEEPCO_MODEL_CACHE=str(models)))
     first, sent, warm, latencies = None, None, False, []
     for line in proc.stdout:
+        if log is not None:
+            log.write(f"{time.perf_counter() - start:7.1f} {line}")
         frame = re.match(r"frame \d+:\s+([\d.]+) ms", line)
         if frame:
             first = first if first is not None else time.perf_counter() - start
@@ -76,7 +79,8 @@ def timed_run(cmd: list[str], models: Path, spawn=subprocess.Popen) -> dict:
         warm = warm or line.startswith("plan cache: warm start")
     code = proc.wait()
     if code != 0:
-        raise SystemExit(f"deepco run failed ({code}): {proc.stderr.read().strip()}")
+        raise SystemExit(f"deepco run failed ({code}): "
+                         f"{proc.stderr.read().strip() if proc.stderr else 'its lines are in the --log file'}")
     return {"first_result_s": first, "mb_sent_until_plan": sent, "warm_start": warm,
             "total_s": time.perf_counter() - start,
             "p50_first_30_ms": statistics.median(latencies[:30]) if latencies else None}
@@ -101,12 +105,12 @@ def in_testbed(args: argparse.Namespace, run: list[str], folder: Path) -> dict:
         cluster, procs, logs = set_up_servers(tb, folder, "first")
         run = [*run, "--cluster", str(cluster)]
         tb.apply_device_cpu_limit()
-        out["cold"] = timed_run(run, folder / "models", spawn=tb.spawn)
+        out["cold"] = timed_run(run, folder / "models", spawn=tb.spawn, log=args.log)
         for k, proc in enumerate(procs):  # restarted: they hold no models
             tb.stop(proc)
             start_server(tb, k, logs[k])
         tb.apply_cpu_limits(device=False)
-        out["warm"] = timed_run(run, folder / "models", spawn=tb.spawn)
+        out["warm"] = timed_run(run, folder / "models", spawn=tb.spawn, log=args.log)
     return out
 
 
@@ -118,6 +122,8 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=60)
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
                    help="run in the camera preset's EMULATED testbed with antennas at MBPS (needs root)")
+    p.add_argument("--log", type=argparse.FileType("w"), default=None, metavar="FILE",
+                   help="write every line the runs print to FILE, each with the seconds since its run started")
     p.add_argument("--no-cache-flag", action="store_true",
                    help="for a checkout from before the plan cache: run without --plan-cache")
     args = p.parse_args()
@@ -139,9 +145,9 @@ def main() -> None:
             run += ["--cluster", str(cluster)]
             with servers([0] * args.servers) as addresses:
                 cluster.write_text("".join(f'[[servers]]\naddress = "{a}"\n' for a in addresses))
-                out["cold"] = timed_run(run, Path(folder) / "models")
+                out["cold"] = timed_run(run, Path(folder) / "models", log=args.log)
             with servers([int(a.rsplit(":", 1)[1]) for a in addresses]):  # restarted: they hold no models
-                out["warm"] = timed_run(run, Path(folder) / "models")
+                out["warm"] = timed_run(run, Path(folder) / "models", log=args.log)
     print(json.dumps(out, indent=1))
 
 
