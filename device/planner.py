@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -333,6 +334,17 @@ class _BlankFrames:
         pass
 
 
+def set_up_live(device: Device, plan: StagedPlan, feed: Feed,
+                emit: Callable[[FrameResult, float], None]) -> tuple[StagedRunner, Feed]:
+    """``plan``'s runner, set up while the frames of ``feed`` that come meanwhile run on the device alone
+    (`_PlanRuns.set_up`; their results to ``emit``), and the frames left."""
+    live = LiveFrames(feed, emit)
+    return _PlanRuns(device, live).set_up(plan), live.rest()
+
+
+SET_UP_GRACE = 2.0  # seconds a plan's set-up may take before live frames run on the device meanwhile
+
+
 class _PlanRuns:
     """Calibration's ``time_plan`` and ``release`` on the device: a runner per plan, its models on the servers
     until the plan is released, and its frames from ``frames`` (`LiveFrames`, or `_BlankFrames`)."""
@@ -341,6 +353,7 @@ class _PlanRuns:
         self.device, self.frames = device, frames
         self._runners: dict[str, StagedRunner] = {}
         self.spared: list[StagedRunner] = []
+        self._local: StagedRunner | None = None  # the device alone, for live frames while models are sent
 
     def time(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float]:
         """The latencies of ``frames`` frames of ``plan`` (after an untimed one when ``warm_up``: first runs
@@ -350,12 +363,42 @@ class _PlanRuns:
         runner = self._runners.get(key)
         if runner is None:
             try:
-                runner = self._runners[key] = StagedRunner(self.device, plan)
+                runner = self._runners[key] = self.set_up(plan)
             except NoRoom as exc:
                 raise Unfit(str(exc)) from None
         if warm_up:
             self._frame(runner)
         return [self._frame(runner) for _ in range(frames)]
+
+    def set_up(self, plan: StagedPlan) -> StagedRunner:
+        """``plan``'s runner. Setting it up sends its models to the servers, which over a slow radio takes many
+        frames' time: with live frames, those that come meanwhile run on the device alone and give their results
+        as they go (the camera's first results do not wait for the radio). Only once a set-up has taken
+        `SET_UP_GRACE` seconds, or one frame on the device if longer: where models arrive sooner, the run waits
+        for them, and calibration's frames are not spent on the device."""
+        if not isinstance(self.frames, LiveFrames):
+            return StagedRunner(self.device, plan)
+        grace = max(SET_UP_GRACE, local_plan(self.device.costs, self.device.measured.rates()).predicted)
+        with ThreadPoolExecutor(1, thread_name_prefix="deepco-set-up") as pool:
+            building = pool.submit(StagedRunner, self.device, plan)
+            while True:
+                try:
+                    return building.result(timeout=grace)
+                except TimeoutError:
+                    if not self._frame_on_the_device(plan):
+                        return building.result()
+
+    def _frame_on_the_device(self, waiting_for: StagedPlan) -> bool:
+        """Run the next live frame on the device alone; False when the source has ended."""
+        if self._local is None:
+            self.device.log(f"models on their way to the servers for {waiting_for.brief()}: frames run on the "
+                            "device meanwhile")
+            self._local = StagedRunner(self.device, local_plan(self.device.costs, self.device.measured.rates()))
+        try:
+            self._frame(self._local)
+        except SourceEnded:
+            return False
+        return True
 
     def _frame(self, runner: StagedRunner) -> float:
         """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames."""

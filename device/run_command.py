@@ -185,7 +185,12 @@ def _run_frames(args: argparse.Namespace, dev, cache: CacheUse | None, feed, res
             save_plan(args.save_plan, args.model, dev.height, dev.width, chosen.plan)
         except OSError as exc:
             raise UserError(f"--save-plan {args.save_plan}: cannot write it ({exc.strerror or exc})") from None
-    runner = StagedRunner(dev, chosen.plan)
+    if cache is not None and cache.cached is not None:  # a warm start: its models may take a while to send
+        from deepco_device.planner import set_up_live
+
+        runner, rest = set_up_live(dev, chosen.plan, rest, results.emit)
+    else:
+        runner = StagedRunner(dev, chosen.plan)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
     watch = chosen.watch(depth, runner.frames_at_once, lean=getattr(args, "lean_depth", False))

@@ -1,0 +1,92 @@
+"""While a plan's models cross a slow radio, live frames run on the device alone and give their results, in
+order; the plan takes the frames left once it is set up. Where a set-up is quick, no frame goes to the device.
+The runners are stand-ins (set-up time is what is under test); the planner's cost model and the feed are real."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from deepco_device import planner as planner_module
+from deepco_device.feed import IterFeed
+from deepco_device.records import FrameTiming
+
+from deepco.partition import Partitioner, load_model
+from deepco.partition.pixels import with_pixel_input
+from deepco.planning.staged import CostModel, Rates, offload_plan
+
+H, W = 64, 96
+
+
+class _Measured:
+    def __init__(self, rates: Rates):
+        self._rates = rates
+
+    def rates(self) -> Rates:
+        return self._rates
+
+
+class _Device:
+    def __init__(self) -> None:
+        model = with_pixel_input(load_model("resnet18", H, W), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+        self.costs = CostModel(Partitioner(model, H, W), 3 * H * W, 4000)
+        self.measured = _Measured(Rates({"s0": 4e9}, [1e6], 0.001, 1e9, 1e8, 0.0005))
+        self.lines: list[str] = []
+
+    def log(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest.fixture(scope="module")
+def device() -> _Device:
+    return _Device()
+
+
+def _runners(on_device: list[int], set_up_after: int):
+    """A stand-in for StagedRunner: the device's runner answers at once (counting its frames in ``on_device``);
+    any other plan's set-up lasts until the device has run ``set_up_after`` frames (at most 20 s)."""
+    enough = threading.Event()
+
+    class Runner:
+        def __init__(self, device, plan, **_):
+            self.plan = plan
+            if plan.servers and set_up_after:
+                assert enough.wait(20), "no frame ran on the device while the models were sent"
+
+        def run_frame(self, x: np.ndarray):
+            if not self.plan.servers:
+                on_device.append(int(x[0, 0, 0, 0]))
+                if len(on_device) >= set_up_after:
+                    enough.set()
+            return {"frame": x[0, 0, 0, 0].copy()}, FrameTiming(latency=0.001)
+
+    return Runner
+
+
+def _frames(n: int) -> IterFeed:
+    return IterFeed(np.full((1, 3, H, W), i, np.uint8) for i in range(n))
+
+
+def test_frames_run_on_the_device_while_a_plans_models_are_sent_and_the_plan_takes_the_rest(device, monkeypatch):
+    on_device: list[int] = []
+    monkeypatch.setattr(planner_module, "StagedRunner", _runners(on_device, set_up_after=3))
+    monkeypatch.setattr(planner_module, "SET_UP_GRACE", 0.05)
+    emitted: list[int] = []
+    plan = offload_plan(device.costs, device.measured.rates(), "s0")
+    runner, rest = planner_module.set_up_live(device, plan, _frames(10),
+                                              lambda result, predicted: emitted.append(int(result.outputs["frame"])))
+    assert runner.plan is plan
+    # in order, each with its result (a loaded machine may run one more before the set-up thread returns)
+    assert on_device == emitted == list(range(len(on_device))) and len(on_device) >= 3
+    assert rest.take(0.1).index == len(on_device)  # the plan goes on from the next frame: none lost or repeated
+    assert any("frames run on the device meanwhile" in line for line in device.lines), device.lines
+
+
+def test_a_quick_set_up_spends_no_frame_on_the_device(device, monkeypatch):
+    on_device: list[int] = []
+    monkeypatch.setattr(planner_module, "StagedRunner", _runners(on_device, set_up_after=0))
+    runner, rest = planner_module.set_up_live(device, offload_plan(device.costs, device.measured.rates(), "s0"),
+                                              _frames(5), lambda result, predicted: None)
+    assert on_device == []
+    assert rest.take(0.1).index == 0
