@@ -196,3 +196,18 @@ def test_a_saved_plan_across_scales_runs_with_deepco_run(three_servers, partitio
         for name, ref in want.items():
             error = relative_error({name: data[f"outputs/{name}"][i:i + 1]}, {name: ref})
             assert error <= 1e-4, f"frame {i}, {name!r}: relative error {error:.2e}"
+
+
+def test_a_plan_across_scales_saved_in_the_one_stage_format_is_refused_in_one_line(tmp_path):
+    """Before stages across scales a plan's ``tensors`` held its last level only, without the image's table a
+    first stage needs: such a saved plan is refused when read, naming the fix, not sent to the servers."""
+    from deepco_device.plan_command import load_plan
+
+    from deepco.errors import UserError
+
+    old = StagedPlan("auto", "scales", servers=["s0", "s1"], antennas=[0, 0], order=[0, 1], levels=["n21"],
+                     tensors=[]).to_dict() | {"tensors": {"p3": {"owned": [[0, 4], [4, 8]], "crop": [0, 1]}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"model": "m.onnx", "input_size": [64, 64], "plan": old}))
+    with pytest.raises(UserError, match="per-level tables; plan again"):
+        load_plan(str(path), "m.onnx", 64, 64, ["s0", "s1"])

@@ -110,11 +110,12 @@ class StagedPlan:
     def from_dict(cls, data: dict) -> StagedPlan:
         """Inverse of `to_dict`."""
         tensors = data.get("tensors", [])
-        if isinstance(tensors, dict):  # a one-stage plan saved before stages across scales: its last level only
-            tensors = [{}, tensors]
+        if isinstance(tensors, dict) and tensors:  # its last level's only: no image table to run the first stage on
+            raise ValueError("a plan across scales saved before stages across scales had per-level tables; plan "
+                             "again")
         tensors = [{name: {"owned": [tuple(iv) for iv in t["owned"]], "crop": list(t["crop"]),
                            "window": [tuple(iv) for iv in t.get("window", [])]} for name, t in level.items()}
-                   for level in tensors]
+                   for level in tensors or []]
         overlap = [[[((int(r[0]), int(r[1])), (int(w[0]), int(w[1])), int(c)) for r, w, c in parts]
                      for parts in level] for level in data.get("overlap", [])]
         return cls(**data | {"bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
@@ -794,6 +795,24 @@ def _scales_candidates(costs: CostModel, rates: Rates, chosen: Sequence[str], al
     return out
 
 
+def refine_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
+    """Re-weight the bands of a plan across scales so that its participants end their stages together (a
+    band's FLOPs grow with its halo, so proportional bands leave the middle ones last); the best predicted."""
+    best, weights = plan, [rates.speed(s) for s in plan.servers]
+    for _ in range(REFINE_STEPS):
+        trial = scales_plan(costs, rates, best.servers, weights, best.algorithm, best.levels, best.lookahead, best.tail)
+        if trial is None:
+            break
+        work = _scales_work(trial, costs)
+        finish = [trial.breakdown["arrived"][i] + sum(w[i] for w in work) / rates.speed(s)
+                  for i, s in enumerate(trial.servers)]
+        mean = sum(finish) / len(finish)
+        weights = [w * (mean / f) ** 0.5 for w, f in zip(weights, finish, strict=True)]
+        if trial.predicted < best.predicted:
+            best = trial
+    return best
+
+
 def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective: str = "latency",
            algorithm: str = "auto", shapes: str = "all") -> list[StagedPlan]:
     """Every candidate worth ranking, best first by ``objective`` (``latency``: predicted frame time;
@@ -841,6 +860,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
         candidates.sort(key=lambda p: p.predicted)
     else:
         candidates.sort(key=lambda p: -throughput(p, costs, rates))
-    top = [refine(p, costs, rates) if p.kind == "split" and p.lookahead else p for p in candidates[:5]]
+    refined = {"split": lambda p: refine(p, costs, rates) if p.lookahead else p,
+               "scales": lambda p: refine_scales(p, costs, rates)}
+    top = [refined.get(p.kind, lambda p: p)(p) for p in candidates[:5]]
     key = (lambda p: p.predicted) if objective == "latency" else (lambda p: -throughput(p, costs, rates))
     return sorted(top, key=key) + candidates[5:]
