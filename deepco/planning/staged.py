@@ -679,9 +679,10 @@ def scales_chain(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
             stage = p.stages([target.index] if source is None else [source.index, target.index], models=False)[-1]
         except UserError:
             return math.inf
-        return scales.barrier_seconds(stage, speeds, speeds, costs.height, costs.tensor_row_bytes,
-                                      rates.peer_bytes_per_second, rates.peer_overhead,
-                                      source is not None or not lookahead)
+        # each stage also pays a server step's fixed cost: with a large one (a loaded host) fewer stages win
+        return rates.step_overhead + scales.barrier_seconds(stage, speeds, speeds, costs.height,
+                                                            costs.tensor_row_bytes, rates.peer_bytes_per_second,
+                                                            rates.peer_overhead, source is not None or not lookahead)
 
     return [lv.name for lv in scales.best_chain(candidates, functools.cache(seconds))]
 
