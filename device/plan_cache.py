@@ -35,7 +35,8 @@ from deepco_device.records import Measurements
 from deepco.planning.staged import DEVICE, StagedPlan
 from deepco.wire.security import ChannelSecurity, read_pem
 
-FORMAT = 1  # the cache file's format: a file of another one is not read (one warning line), and is replaced
+FORMAT = 2  # the cache file's format: a file of another one is not read (one warning line), and is replaced
+# (2: plans across scales carry per-level tensor tables, deepco.planning.scales)
 
 
 def plan_document(model: str, height: int, width: int, plan: StagedPlan) -> dict:

@@ -498,47 +498,59 @@ class SplitRunner(StagedRunner):
 
 
 class ScalesRunner(SplitRunner):
-    """A plan across scales (deepco.planning.staged.scales_plan): every participant runs the stage from the
-    image to a level of several tensors (a U-Net's or a detector's scales, skips included) on the window of
-    the image it is sent, and returns its band of every tensor by name; the device checks each band against
-    the plan, stitches every tensor and runs the rest of the model. Sending and collecting are a split's."""
+    """A plan across scales (deepco.planning.staged.scales_plan): every participant runs the stages from the
+    image through levels of several tensors (a U-Net's or a detector's scales, skips included) on bands of
+    image rows, the servers exchanging each tensor's halo between stages; then either every participant
+    returns its band of every tensor of the last level by name, and the device checks each band against the
+    plan, stitches every tensor and runs the rest of the model, or the ``tail`` participant gathers them and
+    returns the model's outputs. Sending and collecting are a split's."""
 
     kind = "scales"
 
     def _prepare(self) -> None:
         dev, plan = self.device, self.plan
-        parts = _level_models(dev, plan.levels[0])
-        stage = parts["stage"]
-        self.segment_names = []
+        parts = _level_models(dev, tuple(plan.levels))
         for server in plan.servers:
-            self.segment_names = [self._upload(server, parts["stage_bytes"])]
+            self.segment_names = [self._upload(server, data) for data in parts["stages_bytes"]]
         g = dev.partitioner.graph
-        dtypes = {o.name: value_dtype(o) for o in stage.model.graph.output}
+        dtypes = {vi.name: value_dtype(vi) for stage in parts["stages"]
+                  for vi in [*stage.model.graph.input, *stage.model.graph.output]}
         # what each participant's band of tensor t must be: (channels, width, data type)
-        self.bands_of = {t: (g.shapes[t][1], g.hw[t][1], dtypes[t]) for t in stage.outputs}
-        self.tail = parts["tail_session"]
+        self.bands_of = {t: (g.shapes[t][1], g.hw[t][1], dtypes[t]) for t in plan.tensors[-1]}
+        self.tail = parts["tail_session"] if plan.tail is None else None
+        self.tail_name = ""
+        if plan.tail is not None:
+            self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
+            self.output_specs = output_specs(parts["tail"])
         self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * g.itemsize
-        self.tail_name = ""
 
     @classmethod
     def extracted(cls, device: Device, plan: StagedPlan) -> list[tuple[str, bytes]] | None:
-        parts = device.stage_models.get(("scales", plan.levels[0]))
-        return None if parts is None else [(server, parts["stage_bytes"]) for server in plan.servers]
+        parts = device.stage_models.get(("scales", *plan.levels))
+        if parts is None:
+            return None
+        out = [(server, data) for server in plan.servers for data in parts["stages_bytes"]]
+        return out + ([(plan.tail, parts["tail_bytes"])] if plan.tail is not None else [])
 
     def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
-        """Participant ``i``'s request: its window of the image, and the bands of every tensor of the level."""
+        """Participant ``i``'s request: its window (or band) of the image, and every level's tensor tables."""
         plan = self.plan
-        tensors = [(t, plan.tensors[t]["owned"], plan.tensors[t]["crop"]) for t in self.bands_of]
         return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
-                           windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
-                           lookahead=True, tail=None, tail_model="", tensors=tensors)
+                           windows=plan.windows, crops=[[0] * len(plan.servers) if j else [] for j in
+                                                        range(len(plan.bands))], image=x,
+                           exchange_timeout=self.exchange_timeout, lookahead=plan.lookahead,
+                           tail=plan.servers.index(plan.tail) if plan.tail else None, tail_model=self.tail_name,
+                           tensors=plan.tensors)
 
     def _finish(self, results: dict[int, tuple[dpb.SplitResult, float]], own_band: Any,
                 collected: float) -> tuple[Outputs, float, float]:
-        """Every tensor of the level stitched from the participants' checked bands; the rest of the model on
-        them (the level holds the model's outputs themselves when there is no rest)."""
+        """The tail participant's outputs, or every tensor of the last level stitched from the participants'
+        checked bands and the rest of the model run on them (the level holds the model's outputs themselves
+        when there is no rest)."""
         dev, plan = self.device, self.plan
+        if plan.tail is not None:
+            return super()._finish(results, own_band, collected)
         pieces: dict[str, list[np.ndarray]] = {t: [] for t in self.bands_of}
         for i, server in enumerate(plan.servers):
             address = dev.client(self.index[server], 0).address
@@ -547,7 +559,7 @@ class ScalesRunner(SplitRunner):
                 raise WrongAnswer(address, f"the bands of {server} are of tensors {sorted(bands)[:8]}, expected "
                                            f"{sorted(pieces)[:8]}")
             for t, (channels, width, dtype) in self.bands_of.items():
-                a, b = plan.tensors[t]["owned"][i]
+                a, b = plan.tensors[-1][t]["owned"][i]
                 pieces[t].append(check_rows(bands[t], a, (1, channels, b - a, width), dtype,
                                             f"the band of {t!r} from {server}", address))
         level = {t: np.ascontiguousarray(np.concatenate(p, axis=2)) for t, p in pieces.items()}
@@ -604,17 +616,18 @@ def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
     return parts
 
 
-def _level_models(device: Device, level: str) -> dict[str, Any]:
-    """The stage from the image to ``level`` (deepco.partition.levels; its model's bytes) and an ORT session
-    of the rest of the model from the level's tensors (None when the level holds every output), once per
-    device."""
-    key = ("scales", level)
+def _level_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
+    """The stages from the image through ``levels`` (deepco.partition.levels; their models' bytes) and the rest
+    of the model from the last level's tensors (model, bytes, and an ORT session; None when the level holds
+    every output), once per device."""
+    key = ("scales", *levels)
     parts = device.stage_models.get(key)
     if parts is None:
         p = device.partitioner
-        stage = p.stages([level])[0]
-        tail = p.level_tail(level)
-        parts = {"stage": stage, "stage_bytes": stage.model.SerializeToString(),
+        stages = p.stages(list(levels))
+        tail = p.level_tail(levels[-1])
+        parts = {"stages": stages, "stages_bytes": [stage.model.SerializeToString() for stage in stages],
+                 "tail": tail, "tail_bytes": None if tail is None else tail.SerializeToString(),
                  "tail_session": None if tail is None else _session(tail.SerializeToString())}
         device.stage_models[key] = parts
     return parts

@@ -8,9 +8,10 @@ tables of every level (see deepco.planning.bands). For each segment j the server
      mailbox here;
   3. assembles its window, runs segment j, and crops its band of level j.
 Both sides compute what flows from the same tables with the same functions, so a message is expected
-exactly when it is sent. A job whose level has several tensors (a U-Net's or a detector's scales, SplitLevel
-.tensors) is one segment from the image with lookahead: nothing is exchanged, and the server returns its band
-of every tensor by name.
+exactly when it is sent. A job whose levels have several tensors (a U-Net's or a detector's scales, SplitLevel
+.tensors: a plan across scales, deepco.planning.scales) holds its band of every tensor of a level, skips
+included, exchanges each tensor's halo rows (RowsMessage.tensor) before the segment that reads it, and returns
+its band of every tensor of the last level by name (or sends them to the server that gathers them).
 
 Peers may send rows before this server has received its own SplitRun (the device sends the image bands
 one after another over an antenna), so a mailbox is created by whichever comes first; one never claimed
@@ -71,6 +72,7 @@ ORPHAN_SECONDS = 60.0
 DEFAULT_EXCHANGE_TIMEOUT = 30.0
 MAX_EXCHANGE_TIMEOUT = 300.0
 MAX_JOB_ID = 128
+MAX_TENSOR_NAME = 256
 MAX_PEER_CHANNELS = 64
 POLL_SECONDS = 0.05  # how often a wait looks at cancellation and at failed outgoing streams
 
@@ -82,7 +84,7 @@ class Mailbox:
     created: float
     claimed: bool = False
     sender: str = ""  # who opened it, if a peer's rows came before the job's SplitRun
-    rows: dict[tuple[int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
+    rows: dict[tuple[int, int, str], tuple[np.ndarray, int]] = field(default_factory=dict)
 
 
 class Mailboxes:
@@ -161,29 +163,32 @@ class Mailboxes:
             self._held[job] = threads
             return box
 
-    def deliver(self, job: str, level: int, sender: int, array: np.ndarray, start: int, who: str = "") -> None:
-        """File rows peer ``who`` sent as server ``sender`` (creating the mailbox if the job has not started
-        here yet)."""
+    def deliver(self, job: str, level: int, sender: int, array: np.ndarray, start: int, who: str = "",
+                tensor: str = "") -> None:
+        """File rows (of ``tensor``, for a level of several) peer ``who`` sent as server ``sender`` (creating
+        the mailbox if the job has not started here yet)."""
         with self.cond:
             if job in self.finished:
                 return  # the job ended (e.g. failed) here: nobody will read them
             box = self._box(job, who)
-            if (level, sender) in box.rows:
-                raise invalid(f"split job {job!r}: rows of level {level} from server {sender} sent twice")
+            if (level, sender, tensor) in box.rows:
+                raise invalid(f"split job {job!r}: rows of level {level} {tensor[:80]!r} from server {sender} sent "
+                              "twice")
             if self.bytes + array.nbytes > self.max_bytes:
                 raise ResourceExhausted(f"split jobs: {self.bytes} bytes of peers' rows held, the limit is "
                                         f"{self.max_bytes}")
-            box.rows[(level, sender)] = (array, start)
+            box.rows[(level, sender, tensor)] = (array, start)
             self.bytes += array.nbytes
             self.cond.notify_all()
 
-    def take(self, job: str, level: int, sender: int, timeout: float) -> tuple[np.ndarray, int] | None:
+    def take(self, job: str, level: int, sender: int, timeout: float,
+             tensor: str = "") -> tuple[np.ndarray, int] | None:
         """The rows once they are here, or None after ``timeout`` seconds (called in short slices)."""
         with self.cond:
             box = self.boxes[job]
-            if (level, sender) not in box.rows:
+            if (level, sender, tensor) not in box.rows:
                 self.cond.wait(timeout)
-            got = box.rows.pop((level, sender), None)
+            got = box.rows.pop((level, sender, tensor), None)
             if got is not None:
                 self.bytes -= got[0].nbytes
             return got
@@ -308,8 +313,8 @@ class Job:
     lookahead: bool = False  # `image` is this server's whole window for segment 1: no level-0 exchange
     gather_to: int | None = None  # the server that gathers the last level and runs `tail` (None: the device)
     tail: object | None = None  # LoadedModel
-    # a last level of several tensors (one stage, lookahead): (name, band per server, crop per server) each
-    tensors: list[tuple[str, list[tuple[int, int]], list[int]]] = field(default_factory=list)
+    # levels of several tensors (a plan across scales), per level: name -> (band, crop, window per server)
+    scales: list[dict[str, TensorRows]] = field(default_factory=list)
     # per level, this server's segment runs (SplitLevel.parts: interior first, then the borders as the halo
     # lands), each ((rows), (window), crop); an empty list runs the segment once on its window
     parts: list[list[tuple[tuple[int, int], tuple[int, int], int]]] = field(default_factory=list)
@@ -321,16 +326,31 @@ class Job:
         return [(self.bands[j][self.me], self.windows[j][self.me], self.crops[j][self.me])]
 
     def receives(self, level: int) -> dict[int, tuple[int, int]]:
-        """Rows of ``level`` this server gets from each peer before segment ``level`` + 1."""
+        """Rows of ``level`` this server gets from each peer before segment ``level`` + 1 (levels of several
+        tensors: the peers it gets rows of some tensor from, their rows being `tensor_rows`')."""
         if level == 0 and self.lookahead:
             return {}
+        if self.scales:
+            return {peer: rows for got in self.tensor_rows(level, receives).values() for peer, rows in got.items()}
         return receives(self.bands, self.windows, level, self.me)
 
     def sends(self, level: int) -> dict[int, tuple[int, int]]:
-        """Rows of ``level`` this server sends each peer before segment ``level`` + 1."""
+        """Rows of ``level`` this server sends each peer before segment ``level`` + 1 (levels of several
+        tensors: the peers, as in `receives`)."""
         if level == 0 and self.lookahead:
             return {}
+        if self.scales:
+            return {peer: rows for got in self.tensor_rows(level, sends).values() for peer, rows in got.items()}
         return sends(self.bands, self.windows, level, self.me)
+
+    def tensor_rows(self, level: int, which: Callable) -> dict[str, dict[int, tuple[int, int]]]:
+        """Per tensor of ``level`` read by the next segment, the rows this server sends each peer (``which``
+        = bands.sends) or gets from each (bands.receives): its band against their windows, or theirs against
+        its window (none at level 0 with lookahead: the device sent the whole window)."""
+        if level == 0 and self.lookahead:
+            return {}
+        return {t: which([owned], [[], window], 0, self.me) for t, (owned, _, window) in self.scales[level].items()
+                if window}
 
     @property
     def feeds(self) -> list[int]:
@@ -353,10 +373,12 @@ class Held:
     """The rows of one level a job holds for its next segment: its own band, and each peer's rows once taken
     (a peer's are taken when a run's window first needs them, so the interior runs while they are in flight)."""
 
-    def __init__(self, job: Job, level: int, own: tuple[int, int], band: np.ndarray):
+    def __init__(self, job: Job, level: int, own: tuple[int, int], band: np.ndarray,
+                 pending: dict[int, tuple[int, int]] | None = None):
         self.job, self.level = job, level
         self.pieces: list[tuple[int, np.ndarray]] = [(own[0], band)]
-        self.pending = job.receives(level)  # peer -> its rows [a, b) not taken yet
+        # peer -> its rows [a, b) not taken yet (default: the level's one tensor's)
+        self.pending = dict(job.receives(level) if pending is None else pending)
 
     def window(self, lo: int, hi: int, take: Callable[[int, tuple[int, int]], np.ndarray], clock: StepClock,
                j: int) -> np.ndarray:
@@ -375,6 +397,9 @@ class Held:
             raise Internal(f"split job {self.job.id!r}: assembled {window.shape[2]} rows of level {self.level}, "
                            f"expected [{lo}, {hi})")
         return np.ascontiguousarray(window)
+
+
+TensorRows = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]  # band, crop, window per server
 
 
 def _interval(r: dpb.RowRange) -> tuple[int, int]:
@@ -430,9 +455,9 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
         if len(crops[j]) != len(peers) or any(c < 0 for c in crops[j]):
             raise invalid(f"SplitRun: level {j} needs one non-negative crop per server")
     models = [registry.get(name, owner=owner) for name in request.segment_models]
-    tensors = _level_tensors(request, models[0], len(peers))
+    tables = _level_tables(request, models, len(peers))
     for model in models:
-        if len(model.inputs) != 1 or len(model.outputs) != 1 and not tensors:
+        if (len(model.inputs) != 1 or len(model.outputs) != 1) and not tables:
             raise invalid(f"SplitRun: segment model {model.name!r} must have one input and one output")
     try:
         image, start = decode_rows(request.input, "SplitRun input")
@@ -452,10 +477,11 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
         if not request.tail_model:
             raise invalid("SplitRun: gather_to names this server but no tail_model is given")
         tail = registry.get(request.tail_model, owner=owner)
-        if len(tail.inputs) != 1:
-            raise invalid(f"SplitRun: tail model {tail.name!r} must have one input")
+        if len(tail.inputs) != 1 and not tables or tables and any(i.name not in tables[-1] for i in tail.inputs):
+            raise invalid(f"SplitRun: tail model {tail.name!r} must have one input, or read only tensors of the "
+                          "last level")
     result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
-                 tail, tensors, [_parts(level, me, bands[j], windows[j], j) for j, level in enumerate(request.levels)])
+                 tail, tables, [_parts(level, me, bands[j], windows[j], j) for j, level in enumerate(request.levels)])
     talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
     if gather_to is not None:
         talks_to |= {gather_to} if gather_to != me else set(range(len(peers))) - {me}
@@ -499,34 +525,62 @@ def _parts(level: dpb.SplitLevel, me: int, bands: list[tuple[int, int]], windows
     return runs
 
 
-def _level_tensors(request: dpb.SplitRequest, segment, servers: int) -> list[tuple[str, list[tuple[int, int]],
-                                                                                   list[int]]]:
-    """The checked tensors of a last level of several (SplitLevel.tensors): only as one stage from the image
-    with lookahead whose bands go back to the device, each an output of ``segment`` listed once, its bands
-    tiling its rows, one band and one non-negative crop per server."""
-    listed = request.levels[-1].tensors
-    if not listed and not any(level.tensors for level in request.levels):
+def _level_tables(request: dpb.SplitRequest, models: list, servers: int) -> list[dict[str, TensorRows]]:
+    """The checked tensor tables of a job across scales (SplitLevel.tensors), per level; [] when it has none.
+    Level 0 lists the image (the first segment's input); every later level lists every tensor alive at it:
+    each output of its segment with one non-negative crop per server, the others carried from the level
+    before with the same bands; every input of the next segment has one window per server; bands tile the
+    tensor's rows, windows lie inside them. Such a job runs each segment once (no parts)."""
+    if not any(level.tensors for level in request.levels):
         return []
-    if any(level.tensors for level in request.levels[:-1]) or len(request.levels) != 2 or not request.lookahead \
-            or request.gather_to:
-        raise invalid("SplitRun: a level of several tensors runs as one stage from the image with lookahead, its "
-                      "bands returned to the device")
-    outputs = {o.name for o in segment.outputs}
-    tensors: list[tuple[str, list[tuple[int, int]], list[int]]] = []
-    for t in listed:
-        if t.name not in outputs or any(t.name == name for name, _, _ in tensors):
-            raise invalid(f"SplitRun: level tensor {t.name[:80]!r} is not an output of segment model "
-                          f"{segment.name!r}, or is listed twice")
-        owned, crop = [_interval(r) for r in t.owned], [int(c) for c in t.crop]
-        if len(owned) != servers or len(crop) != servers or any(c < 0 for c in crop):
-            raise invalid(f"SplitRun: level tensor {t.name[:80]!r} needs one band and one non-negative crop per "
-                          "server")
-        try:
-            check_tables([owned], [[]], [owned[-1][1]])
-        except PlanningError as exc:
-            raise invalid(f"SplitRun: level tensor {t.name[:80]!r}: {exc}") from None
-        tensors.append((t.name, owned, crop))
-    return tensors
+    if any(level.parts for level in request.levels):
+        raise invalid("SplitRun: a job across scales (levels of several tensors) runs each segment once, without "
+                      "parts")
+    tables: list[dict[str, TensorRows]] = []
+    for j, level in enumerate(request.levels):
+        made = {o.name for o in models[j - 1].outputs} if j else set()
+        reads = {i.name for i in models[j].inputs} if j < len(models) else set()
+        mine: dict[str, TensorRows] = {}
+        for t in level.tensors:
+            mine[t.name] = _tensor_rows(t, j, servers, mine, t.name in made, t.name in reads,
+                                        tables[-1] if tables else {})
+        missing = sorted((made | reads) - set(mine))
+        if missing or not j and len(mine) != 1:
+            raise invalid(f"SplitRun: level {j} must list every output of its segment and every input of the next "
+                          f"(level 0: the image alone); missing {[m[:80] for m in missing][:4]}")
+        tables.append(mine)
+    image = next(iter(tables[0].values()))
+    a = [_interval(r) for r in request.levels[1].window]
+    if image[0] != [_interval(r) for r in request.levels[0].owned] or image[2] != a:
+        raise invalid("SplitRun: the image's band and window at level 0 must be levels[0].owned and levels[1].window")
+    return tables
+
+
+def _tensor_rows(t: dpb.LevelTensor, j: int, servers: int, listed: dict, made: bool, read: bool,
+                 before: dict[str, TensorRows]) -> TensorRows:
+    """One tensor's checked tables at level ``j`` (see `_level_tables`)."""
+    what = f"SplitRun: level {j} tensor {t.name[:80]!r}"
+    if not t.name or len(t.name) > MAX_TENSOR_NAME or t.name in listed:
+        raise invalid(f"{what}: a name of 1 to {MAX_TENSOR_NAME} characters, listed once")
+    owned, crop = [_interval(r) for r in t.owned], [int(c) for c in t.crop]
+    window = [_interval(r) for r in t.window]
+    if len(owned) != servers:
+        raise invalid(f"{what}: needs one band per server ({servers})")
+    try:
+        check_tables([owned], [[]], [owned[-1][1]])
+    except PlanningError as exc:
+        raise invalid(f"{what}: {exc}") from None
+    if made and (len(crop) != servers or any(c < 0 for c in crop)):
+        raise invalid(f"{what}: an output of the segment needs one non-negative crop per server")
+    if not made and (crop or j and (t.name not in before or before[t.name][0] != owned)):
+        raise invalid(f"{what}: is not an output of the segment, so it is carried from level {j - 1} with its "
+                      "bands (and no crop)")
+    height = owned[-1][1]
+    if read != bool(window) or read and (len(window) != servers or any(not 0 <= lo < hi <= height
+                                                                          for lo, hi in window)):
+        raise invalid(f"{what}: an input of the next segment needs one window per server inside its {height} "
+                      "rows; any other tensor none")
+    return owned, crop, window
 
 
 class SplitJobs:
@@ -569,10 +623,12 @@ class SplitJobs:
                 array, start = decode_rows(message.rows, f"rows of level {message.level} from server {message.sender}")
             except TensorError as exc:
                 raise invalid(f"SplitExchange: {exc}") from None
-            if not message.job_id or len(message.job_id) > MAX_JOB_ID:
-                raise invalid(f"SplitExchange: job_id must be 1 to {MAX_JOB_ID} characters")
+            if not message.job_id or len(message.job_id) > MAX_JOB_ID or len(message.tensor) > MAX_TENSOR_NAME:
+                raise invalid(f"SplitExchange: job_id must be 1 to {MAX_JOB_ID} characters, a tensor's name at most "
+                              f"{MAX_TENSOR_NAME}")
             try:
-                self.mailboxes.deliver(message.job_id, message.level, message.sender, array, start, who)
+                self.mailboxes.deliver(message.job_id, message.level, message.sender, array, start, who,
+                                       message.tensor)
             except ResourceExhausted as exc:
                 self.state.refusals.count("mailbox", str(exc))
                 raise
@@ -589,25 +645,16 @@ class SplitJobs:
         clock = StepClock(result.times, origin)
         if decoded is not None:
             clock.add("input", origin, decoded)
-        if job.tensors:
-            self._run_level(job, result, clock)
-            clock.finish()
-            return result
         deadline_total = job.timeout * (len(job.models) + 1) + 60.0
         outgoing = Streams(lambda peer: Outgoing(self._stub(job.peers[peer]), peer, job.peers[peer], deadline_total),
                            job.feeds)
         ok = False
         try:
-            band = job.image
-            for j, model in enumerate(job.models, start=1):
-                band = self._segment(job, j, model, band, outgoing, active, result, clock)
-            last = len(job.models)
-            if job.gather_to is None:
-                self._answer(result, band, job.bands[-1][job.me][0], clock, last)
-            elif job.gather_to != job.me:
-                self._send_band(job, band, outgoing, result, clock)
+            if job.scales:
+                self._run_scales(job, outgoing, active, result, clock)
             else:
-                self._gather_and_finish(job, band, outgoing, result, active, clock)
+                self._run_bands(job, outgoing, active, result, clock)
+            last = len(job.models)
             sending = time.perf_counter()
             for out in outgoing.opened():  # every stream ended first: the peers' acknowledgements overlap
                 out.end()
@@ -621,6 +668,20 @@ class SplitJobs:
             if not ok:
                 for out in outgoing.opened():
                     out.cancel()
+
+    def _run_bands(self, job: Job, outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult,
+                   clock: StepClock) -> None:
+        """The segments of a job of one tensor per level, then its band of the last level answered, sent to the
+        server that gathers, or gathered here with the tail run."""
+        band = job.image
+        for j, model in enumerate(job.models, start=1):
+            band = self._segment(job, j, model, band, outgoing, active, result, clock)
+        if job.gather_to is None:
+            self._answer(result, band, job.bands[-1][job.me][0], clock, len(job.models))
+        elif job.gather_to != job.me:
+            self._send_band(job, band, outgoing, result, clock)
+        else:
+            self._gather_and_finish(job, band, outgoing, result, active, clock)
 
     def _segment(self, job: Job, j: int, model, band: np.ndarray, outgoing: Streams, active: Callable[[], bool],
                  result: dpb.SplitResult, clock: StepClock) -> np.ndarray:
@@ -667,20 +728,104 @@ class SplitJobs:
             clock.since("compute", started, level)
         return output
 
-    def _run_level(self, job: Job, result: dpb.SplitResult, clock: StepClock) -> None:
-        """A job to a level of several tensors: its one segment on the image window it was sent (lookahead:
-        nothing to exchange), and this server's band of every tensor, by name (SplitResult.outputs)."""
-        model = job.models[0]
-        output = self._compute(job, model, {model.inputs[0].name: job.image}, [name for name, _, _ in job.tensors],
-                               clock, 1)
+    def _run_scales(self, job: Job, outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult,
+                    clock: StepClock) -> None:
+        """A job across scales: its band of every tensor of each level in turn (skips kept until read), then of
+        the last level answered by name, sent to the server that gathers, or gathered here with the tail run."""
+        image = next(iter(job.scales[0]))
+        start = job.windows[1][job.me][0] if job.lookahead else job.bands[0][job.me][0]
+        held: dict[str, tuple[int, np.ndarray]] = {image: (start, job.image)}
+        for j, model in enumerate(job.models, start=1):
+            held = self._scales_segment(job, j, model, held, outgoing, active, result, clock)
+        last = len(job.models)
         encoding = time.perf_counter()
-        for name, owned, crop in job.tensors:
+        if job.gather_to is None:
+            for name, (a, band) in held.items():
+                encode_rows(band, a, into=result.outputs.add(name=name).rows)
+            clock.since("encode", encoding, last)
+        elif job.gather_to != job.me:
+            for name, (a, band) in held.items():
+                message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=last, tensor=name)
+                encode_rows(band, a, into=message.rows)
+                outgoing[job.gather_to].send(message)
+                result.messages_sent += 1
+                result.bytes_sent += band.nbytes
+            clock.since("send", encoding, last)
+        else:
+            self._gather_scales(job, held, outgoing, result, active, clock)
+
+    def _scales_segment(self, job: Job, j: int, model, held: dict[str, tuple[int, np.ndarray]], outgoing: Streams,
+                        active: Callable[[], bool], result: dpb.SplitResult,
+                        clock: StepClock) -> dict[str, tuple[int, np.ndarray]]:
+        """Segment ``j`` across scales: send each peer its rows of every tensor it reads from ``held`` (this
+        server's bands of level j-1, by name: (first row, rows)), assemble each input's window from ours and
+        the peers' rows, run the segment once; this server's bands of level j (outputs cropped, skips kept)."""
+        level = j - 1
+        for t, peers in job.tensor_rows(level, sends).items():
+            start, band = held[t]
+            for peer, (a, b) in peers.items():
+                encoding = time.perf_counter()
+                message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level, tensor=t)
+                encode_rows(band[:, :, a - start:b - start], a, into=message.rows)
+                sending = clock.since("encode", encoding, j)
+                outgoing[peer].send(message)
+                clock.since("send", sending, j)
+                result.messages_sent += 1
+                result.bytes_sent += (b - a) * band[:, :, :1].nbytes
+        pending = job.tensor_rows(level, receives)
+        feeds = {}
+        for i in model.inputs:
+            start, band = held[i.name]
+
+            def take(peer: int, rows: tuple[int, int], t: str = i.name, like: np.ndarray = band) -> np.ndarray:
+                return self._take(job, level, peer, rows, like, outgoing, active, result, t)
+
+            own = (start, start + band.shape[2])
+            lo, hi = job.scales[level][i.name][2][job.me]
+            feeds[i.name] = Held(job, level, own, band, pending.get(i.name, {})).window(lo, hi, take, clock, j)
+        made = [name for name, (_, crop, _) in job.scales[j].items() if crop]
+        output = self._compute(job, model, feeds, made, clock, j)
+        out = {}
+        for name, (owned, crop, _) in job.scales[j].items():
+            if not crop:
+                out[name] = held[name]
+                continue
             y, (a, b), c = output[name], owned[job.me], crop[job.me]
             if y.ndim != 4 or c + (b - a) > y.shape[2]:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {list(y.shape)} for {name[:80]!r}; "
                               f"crop {c} + band {b - a} does not fit")
-            encode_rows(y[:, :, c:c + b - a], a, into=result.outputs.add(name=name).rows)
-        clock.since("encode", encoding, 1)
+            out[name] = (a, y[:, :, c:c + b - a])
+        return out
+
+    def _gather_scales(self, job: Job, held: dict[str, tuple[int, np.ndarray]], outgoing: Streams,
+                       result: dpb.SplitResult, active: Callable[[], bool], clock: StepClock) -> None:
+        """Every peer's bands of the last level's tensors, stitched with ours, through the tail model: every
+        output of the model, by name, into ``result.outputs``."""
+        last = len(job.models)
+        waited = time.perf_counter()
+        whole = {}
+        for name, (a, band) in held.items():
+            pieces = [(a, band)]
+            for peer in range(len(job.peers)):
+                if peer != job.me:
+                    rows = job.scales[last][name][0][peer]
+                    pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result, name)))
+            pieces.sort(key=lambda p: p[0])
+            whole[name] = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
+        clock.since("halo", waited, last + 1)
+        self._run_tail(job, {i.name: whole[i.name] for i in job.tail.inputs}, result, clock)
+
+    def _run_tail(self, job: Job, feeds: dict[str, np.ndarray], result: dpb.SplitResult, clock: StepClock) -> None:
+        """The tail model on the gathered ``feeds``: every output of the model, by name, into ``result.outputs``."""
+        last = len(job.models)
+        job.tail.check_inputs(feeds)
+        outputs = self._compute(job, job.tail, feeds, [o.name for o in job.tail.outputs], clock, last + 1)
+        encoding = time.perf_counter()
+        try:
+            named_rows(outputs, result.outputs)
+        except ValueError as exc:
+            raise invalid(f"SplitRun: the tail's output: {exc}") from None
+        clock.since("encode", encoding, last + 1)
 
     @staticmethod
     def _answer(result: dpb.SplitResult, rows: np.ndarray, start: int, clock: StepClock, level: int) -> None:
@@ -717,23 +862,14 @@ class SplitJobs:
         clock.since("halo", waited, last + 1)
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
-        tail = job.tail
-        tail.check_inputs({tail.inputs[0].name: whole})
-        outputs = self._compute(job, tail, {tail.inputs[0].name: whole}, [o.name for o in tail.outputs], clock,
-                                last + 1)
-        encoding = time.perf_counter()
-        try:
-            named_rows(outputs, result.outputs)
-        except ValueError as exc:
-            raise invalid(f"SplitRun: the tail's output: {exc}") from None
-        clock.since("encode", encoding, last + 1)
+        self._run_tail(job, {job.tail.inputs[0].name: whole}, result, clock)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
-              outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult) -> np.ndarray:
-        """Rows [a, b) of ``level`` from ``peer``, checked against the tables (and shaped like ``like`` but for
-        the rows); counted in ``result``."""
+              outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult, tensor: str = "") -> np.ndarray:
+        """Rows [a, b) of ``level`` (its ``tensor``, for a level of several) from ``peer``, checked against the
+        tables (and shaped like ``like`` but for the rows); counted in ``result``."""
         a, b = rows
-        array, start = self._wait(job, level, peer, outgoing, active)
+        array, start = self._wait(job, level, peer, outgoing, active, tensor)
         if start != a or array.shape[2] != b - a or array.shape[:2] != like.shape[:2] \
                 or array.shape[3] != like.shape[3]:
             raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
@@ -744,12 +880,12 @@ class SplitJobs:
         return array
 
     def _wait(self, job: Job, level: int, peer: int, outgoing: Streams,
-              active: Callable[[], bool]) -> tuple[np.ndarray, int]:
+              active: Callable[[], bool], tensor: str = "") -> tuple[np.ndarray, int]:
         """The rows of ``level`` from ``peer``: DEADLINE_EXCEEDED naming it if they do not come in time;
         fails at once if the job is cancelled or one of our own streams to a peer broke."""
         until = time.monotonic() + job.timeout
         while True:
-            got = self.mailboxes.take(job.id, level, peer, POLL_SECONDS)
+            got = self.mailboxes.take(job.id, level, peer, POLL_SECONDS, tensor)
             if got is not None:
                 return got
             if not active():
@@ -758,5 +894,5 @@ class SplitJobs:
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:
-                raise DeadlineExceeded(f"split job {job.id!r}: no rows of level {level} from peer {peer} "
+                raise DeadlineExceeded(f"split job {job.id!r}: no rows of level {level} {tensor[:80]} from peer {peer} "
                                        f"({job.peers[peer]}) within {job.timeout:g}s")

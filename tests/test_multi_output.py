@@ -121,10 +121,10 @@ def test_a_plan_across_scales_runs_exactly_on_the_servers(device):
     runner = StagedRunner(device, plan)
     try:
         got, timing = runner.run_frame(pixels(2))
-        # such a level only as one stage with lookahead, back to the device: anything else is refused
+        # a request whose image rows do not match its tables (sent the window, but told it owns a band) is refused
         request = runner.request("not-lookahead", 0, pixels(2))
         request.lookahead = False
-        with pytest.raises(ServerError, match="one stage from the image with lookahead") as info:
+        with pytest.raises(ServerError, match="input holds rows .* but server 0 owns") as info:
             device.client(0, 0).start_split(request).received()
         assert info.value.code.name == "INVALID_ARGUMENT"
     finally:

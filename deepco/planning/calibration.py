@@ -105,7 +105,8 @@ def fit(timed: Sequence[Timed], costs: CostModel, rates: Rates) -> tuple[float, 
 def uses_the_device(plan: StagedPlan) -> bool:
     """Whether ``plan`` computes on the device besides sending (local, a split's tail or band on the device, the
     rest of the model after a stage across scales)."""
-    return plan.kind in ("local", "scales") or (plan.kind == "split" and (plan.tail is None or DEVICE in plan.servers))
+    return plan.kind == "local" or plan.kind == "scales" and plan.tail is None \
+        or plan.kind == "split" and (plan.tail is None or DEVICE in plan.servers)
 
 
 def choose(timed: Sequence[Timed]) -> Timed:

@@ -161,8 +161,13 @@ def work_of(plan, costs) -> list[Work]:
         return [Work(costs.total_flops, costs.input_bytes) for _ in plan.servers]
     names: list[str | None] = [None, *plan.levels]
     out = []
+    def stage(j: int, i: int):
+        if plan.kind == "scales":  # stages across scales: image-row bands of stages between levels
+            return costs.stage_window(plan.levels, j, *plan.bands[j][i])
+        return costs.window(names[j - 1], names[j], *plan.bands[j][i])
+
     for i, server in enumerate(plan.servers):
-        flops = sum(costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops for j in range(1, len(names)))
+        flops = sum(stage(j, i).flops for j in range(1, len(names)))
         if plan.tail == server:
             flops += costs.tail_flops(plan.levels[-1])
         a, b = plan.windows[0][i]

@@ -13,6 +13,8 @@ A plan is data (`StagedPlan`, JSON by `to_dict`). Its ``kind`` is
   participant (``tail`` its name), which runs the rest there and returns the model's output only.
   One split stage with the tail on the device is the paper's THREAD; a stage per block without lookahead
   is MoDNN; k blocks per stage with the tail on the strongest server is a fused hybrid.
+- ``scales``: a split whose levels hold several tensors (a U-Net's or a detector's scales, skips included),
+  its bands image rows and its per-tensor tables in ``tensors`` (deepco.planning.scales).
 
 The cost model (`predict`) is an event simulation of one frame on the measured rates (`Rates`): the
 device's CPU marshals each message (it is the bottleneck of a 0.1-core camera), each antenna sends its
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from deepco.errors import UserError
 from deepco.planning import overlap as overlapping
+from deepco.planning import scales
 from deepco.planning.bands import ownership, receives
 from deepco.planning.plan import PlanningError
 
@@ -75,7 +78,8 @@ class StagedPlan:
     a plan re-predicted, renamed or given its calibration report is a new plan (`dataclasses.replace`)."""
 
     algorithm: str
-    kind: str  # "local" | "offload" | "split" | "round-robin" (whole frames dealt to ``servers`` in turn)
+    kind: str  # "local" | "offload" | "split" | "round-robin" (whole frames dealt to ``servers`` in turn) | "scales"
+    # (a split whose levels hold several tensors: deepco.planning.scales)
     servers: list[str] = field(default_factory=list)  # participants, band order
     antennas: list[int] = field(default_factory=list)  # antenna of each participant
     order: list[int] = field(default_factory=list)  # position of each participant in its antenna's sends
@@ -85,8 +89,10 @@ class StagedPlan:
     crops: list[list[int]] = field(default_factory=list)  # levels 0..n (level 0 unused)
     lookahead: bool = True
     tail: str | None = None  # participant that gathers and runs the rest; None: the device
-    # kind "scales": the level's tensors, name -> {"owned": band per participant (its rows), "crop": per participant}
-    tensors: dict = field(default_factory=dict)
+    # kind "scales": per level (0: the image), tensor name -> {"owned": band per participant, "crop": per
+    # participant ([] when carried), "window": rows the next stage reads per participant ([] if none)}
+    # (deepco.planning.scales); bands and windows are then image rows, per stage
+    tensors: list = field(default_factory=list)
     # per level (0..n) and participant, its segment's parts in run order (deepco.planning.overlap: the interior
     # while the halo is in flight, then the borders), each ((rows), (window), crop); [] runs it once
     overlap: list = field(default_factory=list)
@@ -103,8 +109,13 @@ class StagedPlan:
     @classmethod
     def from_dict(cls, data: dict) -> StagedPlan:
         """Inverse of `to_dict`."""
-        tensors = {name: {"owned": [tuple(iv) for iv in t["owned"]], "crop": list(t["crop"])}
-                   for name, t in data.get("tensors", {}).items()}
+        tensors = data.get("tensors", [])
+        if isinstance(tensors, dict) and tensors:  # its last level's only: no image table to run the first stage on
+            raise ValueError("a plan across scales saved before stages across scales had per-level tables; plan "
+                             "again")
+        tensors = [{name: {"owned": [tuple(iv) for iv in t["owned"]], "crop": list(t["crop"]),
+                           "window": [tuple(iv) for iv in t.get("window", [])]} for name, t in level.items()}
+                   for level in tensors or []]
         overlap = [[[((int(r[0]), int(r[1])), (int(w[0]), int(w[1])), int(c)) for r, w, c in parts]
                      for parts in level] for level in data.get("overlap", [])]
         return cls(**data | {"bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
@@ -121,12 +132,12 @@ class StagedPlan:
             return f"{self.algorithm}: whole frames dealt in turn to {', '.join(self.servers)}"
         who = ", ".join(f"{s} (antenna {m})" if s != DEVICE else "the device" for s, m in
                         zip(self.servers, self.antennas, strict=True))
-        if self.kind == "scales":
-            return (f"{self.algorithm}: split across scales over {who}, one stage to level {self.levels[0]} "
-                    f"({len(self.tensors)} tensors), lookahead, tail on the device")
         stages = " | ".join(self.levels)
         where = f"tail on {self.tail}" if self.tail else "tail on the device"
         how = "lookahead" if self.lookahead else "bands exchanged from the image on"
+        if self.kind == "scales":
+            return (f"{self.algorithm}: split across scales over {who}, stages ending at levels {stages} "
+                    f"({len(self.tensors[-1]) if self.tensors else 0} tensors at the last), {how}, {where}")
         return (f"{self.algorithm}: split over {who}, stages ending at {stages}, {how}, {where}")
 
     def brief(self) -> str:
@@ -177,8 +188,9 @@ class CostModel:
             raise PlanningError("the model has no cut point with enough work before it to split")
         self._segments: dict[tuple[str, str], object] = {}
         self._windows: dict[tuple[str, str, int, int], object] = {}
-        self._level_windows: dict[tuple[int, int], object] = {}
-        self.level, self.level_stage = self._deepest_level()
+        self._stages: dict[tuple, list] = {}
+        self._stage_windows: dict[tuple, object] = {}
+        self.level = self._deepest_level()
         self.height = partitioner.height
         self.image_row_bytes = input_bytes // partitioner.height
 
@@ -197,25 +209,38 @@ class CostModel:
             self._windows[key] = self.segment(source, target).window(a, b)
         return self._windows[key]
 
-    def _deepest_level(self) -> tuple[object, object]:
-        """The last level (deepco.partition.levels: the tensors alive at once, at several scales) and the stage
-        from the image to it, if its head holds more of the model's FLOPs than any single-tensor cut's (a U-Net
-        or a detector, whose skips end the single-tensor cuts early)."""
+    def _deepest_level(self):
+        """The last level (deepco.partition.levels: the tensors alive at once, at several scales), if its head
+        holds more of the model's FLOPs than any single-tensor cut's (a U-Net or a detector, whose skips end
+        the single-tensor cuts early); else None."""
         try:
             levels = self.p.levels
             deepest = max(c.head_flops for c in self.p.cuts)
             if len(levels) < 2 or levels[-1].head_flops <= deepest:
-                return None, None
-            return levels[-1], self.p.stages([levels[-1].index], models=False)[0]
+                return None
+            self.p.stages([levels[-1].index], models=False)
+            return levels[-1]
         except UserError:  # the partitioner's PartitionError: no stage to it, the single-tensor cuts are what there is
-            return None, None
+            return None
 
-    def level_window(self, top: int, bottom: int):
-        """The StageWindow of image rows [top, bottom) of the stage to ``level``."""
-        key = (top, bottom)
-        if key not in self._level_windows:
-            self._level_windows[key] = self.level_stage.window(top, bottom)
-        return self._level_windows[key]
+    def stages(self, levels: Sequence[str]) -> list:
+        """The stages (deepco.partition.levels.Stage) from the image through the levels named ``levels``."""
+        key = tuple(levels)
+        if key not in self._stages:
+            self._stages[key] = self.p.stages(list(levels), models=False)
+        return self._stages[key]
+
+    def stage_window(self, levels: Sequence[str], j: int, top: int, bottom: int):
+        """The StageWindow of image rows [top, bottom) of stage ``j`` (1..) of the chain ``levels``."""
+        key = (*levels[:j], top, bottom)  # a stage depends only on its two levels, and those on the chain's start
+        if key not in self._stage_windows:
+            self._stage_windows[key] = self.stages(levels)[j - 1].window(top, bottom)
+        return self._stage_windows[key]
+
+    def tensor_row_bytes(self, tensor: str) -> int:
+        """Bytes of one row of a tensor of a level."""
+        g = self.p.graph
+        return self.image_row_bytes if tensor == g.input_name else g.shapes[tensor][1] * g.hw[tensor][1] * 4
 
     def height_of(self, level: str | None) -> int:
         """Rows of a level (None: the image)."""
@@ -229,8 +254,11 @@ class CostModel:
         return c.channels * c.width * self.p.graph.feature_itemsize
 
     def tail_flops(self, level: str) -> int:
-        """FLOPs after the cut ``level``."""
-        return self.p.cut(level).tail_flops
+        """FLOPs after the cut ``level``, or after a level of several tensors of that name (a plan across scales)."""
+        try:
+            return self.p.cut(level).tail_flops
+        except UserError:
+            return self.total_flops - self.p.level(level).head_flops
 
 
 def tables(costs: CostModel, levels: Sequence[str], weights: Sequence[float],
@@ -273,7 +301,7 @@ def steps(plan: StagedPlan) -> int:
     """Server steps on a frame's critical path, each paying ``Rates.step_overhead``."""
     if plan.kind == "local":
         return 0
-    if plan.kind in ("offload", "scales"):
+    if plan.kind == "offload":
         return 1
     return len(plan.levels) + (1 if plan.tail else 0)
 
@@ -282,7 +310,7 @@ def models_per_server(plan: StagedPlan) -> dict[str, int]:
     """Model slots ``plan`` takes on each server (`deepco serve --max-models`): the whole model for offload and
     each round-robin server, one model per stage on every server of a split, and one more where a server runs
     the tail."""
-    if plan.kind in ("offload", "round-robin", "scales"):
+    if plan.kind in ("offload", "round-robin"):
         return dict.fromkeys(plan.servers, 1)
     slots = {s: len(plan.levels) for s in plan.servers if s != DEVICE}
     if plan.tail is not None:
@@ -297,7 +325,7 @@ def split_shares(plan: StagedPlan, costs: CostModel) -> dict[str, float]:
     total = costs.total_flops or 1
     deepest = max(c.head_flops for c in costs.p.cuts)
     planned = {"split": lambda: costs.p.cut(plan.levels[-1]).head_flops,
-               "scales": lambda: costs.level.head_flops}.get(plan.kind, lambda: 0)()
+               "scales": lambda: costs.p.level(plan.levels[-1]).head_flops}.get(plan.kind, lambda: 0)()
     return {"plan": planned / total, "single_tensor_cuts": deepest / total, "across_scales": costs.p.split_share()}
 
 
@@ -391,18 +419,56 @@ def _stage_work(plan: StagedPlan, costs: CostModel, j: int, i: int) -> tuple[int
     return flops, (len(parts) - 1) * overlapping.PART_OVERHEAD
 
 
+def _scales_work(plan: StagedPlan, costs: CostModel) -> list[list[int]]:
+    """FLOPs of every stage (rows) of a plan across scales, per participant."""
+    return [[costs.stage_window(plan.levels, j, *band).flops for band in plan.bands[j]]
+            for j in range(1, len(plan.levels) + 1)]
+
+
 def _predict_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
-    """`predict` of a one-stage plan to a level of several tensors: windows sent, bands computed and returned,
-    every tensor stitched and the rest run on the device."""
-    windows = [costs.level_window(*band) for band in plan.bands[1]]
+    """`predict` of a plan across scales (deepco.planning.scales): windows of the image sent, stages run with
+    each tensor's halo exchanged between them, then every tensor's bands returned to the device, which runs
+    the rest, or gathered on the ``tail`` participant, which runs it there."""
     arrived = _send_schedule(plan, [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]], rates)
-    done = [arrived[i] + w.flops / rates.speed(s) + rates.step_overhead
-            for i, (s, w) in enumerate(zip(plan.servers, windows, strict=True))]
-    backs = [done[i] + rates.request_overhead + w.output_bytes / rates.antenna_bytes_per_second[plan.antennas[i]]
-             for i, w in enumerate(windows)]
-    received = max(backs) + sum(w.output_bytes for w in windows) * rates.device_seconds_per_byte
-    tail = (costs.total_flops - costs.level.head_flops) / rates.device_flops_per_second
-    return {"frame": received + tail, "arrived": arrived, "stages": [max(done)], "gathered": received, "tail": tail}
+    speeds = [rates.speed(s) for s in plan.servers]
+    rb = costs.tensor_row_bytes
+    ends = scales.stage_ends(arrived, _scales_work(plan, costs), plan.tensors, speeds, rb, rates.peer_bytes_per_second,
+                             rates.peer_overhead, rates.step_overhead, plan.lookahead)
+    done, last = ends[-1], plan.tensors[-1]
+    rest = costs.total_flops - costs.p.level(plan.levels[-1]).head_flops
+    stages = [max(e) for e in ends]
+    if plan.tail is None:
+        sizes = [scales.band_bytes(last, rb, i) for i in range(len(done))]
+        backs = [done[i] + rates.request_overhead + sizes[i] / rates.antenna_bytes_per_second[plan.antennas[i]]
+                 for i in range(len(done))]
+        received = max(backs) + sum(sizes) * rates.device_seconds_per_byte
+        tail = rest / rates.device_flops_per_second
+        return {"frame": received + tail, "arrived": arrived, "stages": stages, "gathered": received, "tail": tail}
+    c = plan.servers.index(plan.tail)
+    gathered = max(done[i] + (0.0 if i == c else rates.peer_overhead + scales.band_bytes(last, rb, i)
+                              / rates.peer_bytes_per_second) for i in range(len(done)))
+    tail = rest / speeds[c] + rates.step_overhead
+    back = rates.request_overhead + costs.output_bytes / rates.antenna_bytes_per_second[plan.antennas[c]]
+    return {"frame": gathered + tail + back, "arrived": arrived, "stages": stages, "gathered": gathered,
+            "tail": tail, "return": back}
+
+
+def _scales_busy(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict[str, float]:
+    """`throughput`'s busy time per frame of every resource for a plan across scales."""
+    bw, rb = rates.antenna_bytes_per_second, costs.tensor_row_bytes
+    rest = costs.total_flops - costs.p.level(plan.levels[-1]).head_flops
+    work = _scales_work(plan, costs)
+    busy = {"device": 0.0 if plan.tail else rest / rates.device_flops_per_second}
+    for i, s in enumerate(plan.servers):
+        a, b = plan.windows[0][i]
+        nbytes = (b - a) * costs.row_bytes(None) + (0 if plan.tail else scales.band_bytes(plan.tensors[-1], rb, i))
+        busy["device"] += nbytes * rates.device_seconds_per_byte
+        key = f"antenna {plan.antennas[i]}"
+        busy[key] = busy.get(key, 0.0) + nbytes / bw[plan.antennas[i]]
+        busy[s] = sum(w[i] for w in work) / rates.speed(s) + len(work) * rates.step_overhead
+        if plan.tail == s:
+            busy[s] += rest / rates.speed(s) + rates.step_overhead
+    return busy
 
 
 def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
@@ -423,15 +489,7 @@ def throughput(plan: StagedPlan, costs: CostModel, rates: Rates) -> float:
         busy[s] = costs.total_flops / rates.server_flops_per_second[s] + rates.step_overhead
         return 1.0 / max(busy.values())
     if plan.kind == "scales":
-        busy["device"] = (costs.total_flops - costs.level.head_flops) / rates.device_flops_per_second
-        for i, s in enumerate(plan.servers):
-            a, b = plan.windows[0][i]
-            nbytes = (b - a) * costs.row_bytes(None)
-            busy["device"] += nbytes * rates.device_seconds_per_byte
-            key = f"antenna {plan.antennas[i]}"
-            busy[key] = busy.get(key, 0.0) + nbytes / bw[plan.antennas[i]]
-            busy[s] = costs.level_window(*plan.bands[1][i]).flops / rates.speed(s) + rates.step_overhead
-        return 1.0 / max(busy.values())
+        return 1.0 / max(_scales_busy(plan, costs, rates).values())
     names: list[str | None] = [None, *plan.levels]
     for i, s in enumerate(plan.servers):
         work = [_stage_work(plan, costs, j, i) for j in range(1, len(names))]
@@ -572,30 +630,61 @@ def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
 
 
 def scales_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], weights: Sequence[float] | None = None,
-                algorithm: str = "auto") -> StagedPlan | None:
-    """One stage from the image to the deepest level of several tensors (`CostModel.level`: a U-Net's or a
-    detector's scales alive at once, skips included) over ``chosen`` (band order), with lookahead; the bands
-    of every tensor come back to the device, which stitches them and runs the rest. Bands are image rows in
-    proportion to ``weights`` (default: speeds), on multiples of the stage's alignment. None when there is no
-    such level or it has too few aligned rows for ``chosen``."""
-    if costs.level is None or costs.level_stage.carried or DEVICE in chosen:
-        return None  # carried: the level keeps a tensor the stage does not make (the image): not planned
-    align, height = costs.level_stage.align, costs.height
+                algorithm: str = "auto", levels: Sequence[str] | None = None, lookahead: bool = True,
+                tail: str | None = None) -> StagedPlan | None:
+    """A split across scales (deepco.planning.scales) over ``chosen`` (band order): stages from the image
+    through the levels named ``levels`` (default: the deepest level of several tensors, `CostModel.level`, in
+    one stage), each on bands of image rows in proportion to ``weights`` (default: speeds) on multiples of
+    its alignment; with ``lookahead`` the device sends each participant the image window of its first stage,
+    else its band and the servers exchange the halo from the image on; the rest of the model runs on the
+    device (``tail`` None) or on participant ``tail``. None when there is no such level, the device is a
+    participant, or a stage has too few aligned rows for ``chosen``."""
+    if levels is None:
+        levels = [costs.level.name] if costs.level is not None else []
+    if not levels or DEVICE in chosen or tail is not None and tail not in chosen:
+        return None
+    weights = list(weights or [rates.speed(s) for s in chosen])
     try:
-        units = ownership(list(weights or [rates.speed(s) for s in chosen]), [-(-height // align)])[0]
-        bands = [(a * align, min(b * align, height)) for a, b in units]
-        windows = [costs.level_window(a, b) for a, b in bands]
+        stages = costs.stages(levels)
+        bands = [scales.stage_bands(weights, stage.align, costs.height) for stage in stages]
+        windows = [[costs.stage_window(levels, j, a, b) for a, b in bands[j - 1]] for j in range(1, len(stages) + 1)]
+        tensors = scales.tables(stages, windows, costs.p.graph.input_name)
     except UserError:  # PlanningError, PartitionError: too few aligned rows for these participants
         return None
+    if tail is not None and costs.p.level_tail(levels[-1]) is None:
+        return None  # nothing left to run after the last level: there is no tail to gather for
     image = costs.p.graph.input_name
-    sent = [w.input_rows[image] for w in windows]
-    tensors = {t: {"owned": [w.output_rows[t] for w in windows], "crop": [w.crop[t][0] for w in windows]}
-               for t in costs.level_stage.outputs}
+    sent = tensors[0][image]["window"] if lookahead else tensors[0][image]["owned"]
     antennas, order = _associate(chosen, rates, [(b - a) * costs.row_bytes(None) for a, b in sent])
     plan = StagedPlan(algorithm, "scales", servers=list(chosen), antennas=antennas, order=order,
-                      levels=[costs.level.name], bands=[bands, bands], windows=[sent, sent],
-                      crops=[[], [0] * len(chosen)], lookahead=True, tensors=tensors)
+                      levels=list(levels), bands=[bands[0], *bands],
+                      windows=[list(sent), [w.input_rows[image] for w in windows[0]],
+                               *([w.image_rows for w in ws] for ws in windows[1:])],
+                      crops=[[] for _ in range(len(levels) + 1)], lookahead=lookahead, tail=tail, tensors=tensors)
     return _finish(plan, costs, rates)
+
+
+def scales_chain(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahead: bool) -> list[str]:
+    """The levels a plan across scales over ``chosen`` should end its stages at (deepco.planning.scales
+    .best_chain on the barrier model: each stage's slowest participant, halo exchanges included); [] when no
+    chain fits."""
+    if costs.level is None or DEVICE in chosen:
+        return []
+    p = costs.p
+    speeds = [rates.speed(s) for s in chosen]
+    candidates = scales.chain_candidates(p.levels, costs.total_flops)
+
+    def seconds(source, target) -> float:
+        try:
+            stage = p.stages([target.index] if source is None else [source.index, target.index], models=False)[-1]
+        except UserError:
+            return math.inf
+        # each stage also pays a server step's fixed cost: with a large one (a loaded host) fewer stages win
+        return rates.step_overhead + scales.barrier_seconds(stage, speeds, speeds, costs.height,
+                                                            costs.tensor_row_bytes, rates.peer_bytes_per_second,
+                                                            rates.peer_overhead, source is not None or not lookahead)
+
+    return [lv.name for lv in scales.best_chain(candidates, functools.cache(seconds))]
 
 
 def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source: str | None, target: str,
@@ -687,6 +776,44 @@ def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
     return best
 
 
+def _scales_candidates(costs: CostModel, rates: Rates, chosen: Sequence[str], algorithm: str) -> list[StagedPlan]:
+    """Plans across scales over ``chosen``: one stage to the deepest level, and the chain of levels the barrier
+    model prefers (`scales_chain`), with and without lookahead, the rest on the device or the first server."""
+    out = []
+    chains = [None]
+    for lookahead in (True, False):
+        if (chain := scales_chain(costs, rates, chosen, lookahead)) and chain not in chains:
+            chains.append(chain)
+    for levels in chains:
+        for lookahead in (True, False):
+            for tail in (None, chosen[0]):
+                if levels is None and (tail or not lookahead):
+                    continue
+                plan = scales_plan(costs, rates, chosen, algorithm=algorithm, levels=levels, lookahead=lookahead,
+                                   tail=tail)
+                if plan is not None:
+                    out.append(plan)
+    return out
+
+
+def refine_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
+    """Re-weight the bands of a plan across scales so that its participants end their stages together (a
+    band's FLOPs grow with its halo, so proportional bands leave the middle ones last); the best predicted."""
+    best, weights = plan, [rates.speed(s) for s in plan.servers]
+    for _ in range(REFINE_STEPS):
+        trial = scales_plan(costs, rates, best.servers, weights, best.algorithm, best.levels, best.lookahead, best.tail)
+        if trial is None:
+            break
+        work = _scales_work(trial, costs)
+        finish = [trial.breakdown["arrived"][i] + sum(w[i] for w in work) / rates.speed(s)
+                  for i, s in enumerate(trial.servers)]
+        mean = sum(finish) / len(finish)
+        weights = [w * (mean / f) ** 0.5 for w, f in zip(weights, finish, strict=True)]
+        if trial.predicted < best.predicted:
+            best = trial
+    return best
+
+
 def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective: str = "latency",
            algorithm: str = "auto", shapes: str = "all") -> list[StagedPlan]:
     """Every candidate worth ranking, best first by ``objective`` (``latency``: predicted frame time;
@@ -703,8 +830,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
     ordered = _participants(rates, servers)
     for k in range(1, len(ordered) + 1):
         chosen = ordered[:k]
-        if shapes == "all" and (plan := scales_plan(costs, rates, chosen, algorithm=algorithm)) is not None:
-            candidates.append(plan)
+        if shapes == "all":
+            candidates += _scales_candidates(costs, rates, chosen, algorithm)
         for lookahead in (True, False):
             if shapes == "thread" and not lookahead or shapes == "modnn" and lookahead:
                 continue
@@ -734,6 +861,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
         candidates.sort(key=lambda p: p.predicted)
     else:
         candidates.sort(key=lambda p: -throughput(p, costs, rates))
-    top = [refine(p, costs, rates) if p.kind == "split" and p.lookahead else p for p in candidates[:5]]
+    refined = {"split": lambda p: refine(p, costs, rates) if p.lookahead else p,
+               "scales": lambda p: refine_scales(p, costs, rates)}
+    top = [refined.get(p.kind, lambda p: p)(p) for p in candidates[:5]]
     key = (lambda p: p.predicted) if objective == "latency" else (lambda p: -throughput(p, costs, rates))
     return sorted(top, key=key) + candidates[5:]

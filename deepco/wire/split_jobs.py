@@ -21,7 +21,8 @@ from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.rows import encode_rows
 
 Interval = tuple[int, int]
-TensorTable = tuple[str, Sequence[Interval], Sequence[int]]  # a level's tensor: name, band and crop per participant
+# a level's tensors (deepco.planning.scales): name -> {"owned": band, "crop": crop, "window": window per participant}
+LevelTables = Mapping[str, Mapping[str, Sequence]]
 Part = tuple[Interval, Interval, int]  # one run of a segment: output rows, window, crop
 ROWS_RANK = 4  # Rows carry NCHW
 
@@ -70,12 +71,13 @@ def named_rows(outputs: Mapping[str, np.ndarray], into) -> None:
 def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
                 bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
                 crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
-                tail: int | None, tail_model: str, tensors: Sequence[TensorTable] = (),
+                tail: int | None, tail_model: str, tensors: Sequence[LevelTables] = (),
                 parts: Sequence[Sequence[Sequence[Part]]] = ()) -> dpb.SplitRequest:
     """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
     (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
     participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers.
-    ``tensors``: the last level's tensors when it has several (bands and windows are then image rows).
+    ``tensors``: per level, its tensors' tables when levels have several (a plan across scales: bands and
+    windows are then image rows).
     ``parts``: per level and participant, its segment's runs (deepco.planning.overlap); only the participant's
     own travel, the others' lists are left empty."""
     levels = []
@@ -91,8 +93,10 @@ def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers
                         mine.part.add(rows=dpb.RowRange(start=a, stop=b), window=dpb.RowRange(start=lo, stop=hi),
                                       crop=crop)
         levels.append(level)
-    for name, owned, crop in tensors:
-        levels[-1].tensors.add(name=name, owned=[dpb.RowRange(start=a, stop=b) for a, b in owned], crop=list(crop))
+    for level, tables in zip(levels, tensors, strict=False):
+        for name, t in tables.items():
+            level.tensors.add(name=name, owned=[dpb.RowRange(start=a, stop=b) for a, b in t["owned"]],
+                              crop=list(t["crop"]), window=[dpb.RowRange(start=a, stop=b) for a, b in t["window"]])
     a, b = windows[0][index]
     request = dpb.SplitRequest(job_id=job_id, segment_models=list(segment_models), server_index=index,
                                peers=list(peers), levels=levels, exchange_timeout_seconds=exchange_timeout,
