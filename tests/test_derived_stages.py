@@ -96,52 +96,61 @@ def test_a_derived_stage_is_the_device_s_stage_byte_for_byte(resnet_partitioner)
     assert same.SerializeToString() == p.whole().SerializeToString()
 
 
-def test_a_split_plan_on_deriving_servers_sends_no_stage_and_equals_the_uploaded_one():
-    """A multi-stage split with its tail on a server: on deriving servers the device sends the whole model once
-    per server and descriptions, and its output is bit-identical to the same plan's on servers the stages are
-    uploaded to (and equals the whole model within 1e-4). A second plan then sends descriptions only."""
+@pytest.fixture(scope="module")
+def deriving():
+    """A device on three servers that derive stage models."""
     with servers(3) as srvs, device(srvs) as dev:
-        assert DERIVES in dev.client(0, 0).server_metadata()["extensions"]
-        plan = plan_of(dev, ["s0", "s1", "s2"], ["layer1", "layer3"], tail=True)
-        before = dev.uploads.sent_bytes
-        derived = run_once(dev, plan)
-        whole = len(dev.stage_models[("whole",)]["bytes"])
-        stages = sum(len(d) for d in dev.stage_models[("layer1", "layer3")]["segments"])
-        sent = dev.uploads.sent_bytes - before
-        assert 3 * whole <= sent < 3 * whole + 3 * 3 * 1000, (sent, whole, stages)  # whole x3, 3 descriptions each
-        want = reference(dev, pixels(0))
-        assert float(np.abs(derived - want).max()) / float(np.abs(want).max()) < 1e-4
-
-        second = plan_of(dev, ["s1", "s2"], ["layer2", "layer3.0"], tail=True)  # other stages, other tail
-        before = dev.uploads.sent_bytes
-        run_once(dev, second, seed=1)
-        assert 0 < dev.uploads.sent_bytes - before < 2 * 3 * 1000  # a few hundred bytes a stage: no model
-
-    with servers(3, derive=False) as srvs, device(srvs) as dev:
-        assert DERIVES not in dev.client(0, 0).server_metadata()["extensions"]
-        before = dev.uploads.sent_bytes
-        uploaded = run_once(dev, plan_of(dev, ["s0", "s1", "s2"], ["layer1", "layer3"], tail=True))
-        stages = dev.stage_models[("layer1", "layer3")]
-        # the fallback: every stage uploaded to every server, the tail to s0, and no whole model
-        segments = sum(len(d) for d in stages["segments"])
-        assert dev.uploads.sent_bytes - before == 3 * segments + len(stages["tail_bytes"])
-    assert np.array_equal(derived, uploaded)
+        yield dev
 
 
-def test_a_server_that_lost_the_whole_model_gets_it_again():
+def test_a_split_plan_on_deriving_servers_sends_no_stage_model(deriving):
+    """A multi-stage split with its tail on a server: on deriving servers the device sends the whole model once
+    per server and descriptions, and the output equals the whole model within 1e-4. A second plan then sends
+    descriptions only."""
+    dev = deriving
+    assert DERIVES in dev.client(0, 0).server_metadata()["extensions"]
+    plan = plan_of(dev, ["s0", "s1", "s2"], ["layer1", "layer3"], tail=True)
+    before = dev.uploads.sent_bytes
+    got = run_once(dev, plan)
+    whole = len(dev.stage_models[("whole",)]["bytes"])
+    sent = dev.uploads.sent_bytes - before
+    assert 3 * whole <= sent < 3 * whole + 3 * 3 * 1000, (sent, whole)  # whole x3, 2-3 descriptions each
+    want = reference(dev, pixels(0))
+    assert float(np.abs(got - want).max()) / float(np.abs(want).max()) < 1e-4
+
+    second = plan_of(dev, ["s1", "s2"], ["layer2", "layer3.0"], tail=True)  # other stages, other tail
+    before = dev.uploads.sent_bytes
+    run_once(dev, second, seed=1)
+    assert 0 < dev.uploads.sent_bytes - before < 2 * 3 * 1000  # a few hundred bytes a stage: no model
+
+
+def test_a_server_that_lost_the_whole_model_gets_it_again(deriving):
     """The whole model unloaded on the server (its lease, or by hand): the next derivation is NOT_FOUND, the device
     sends the whole model again and derives; the run goes on."""
-    with servers(1) as srvs, device(srvs) as dev:
-        client = dev.client(0, 0)
-        run_once(dev, plan_of(dev, ["s0"], ["layer2"], tail=True))
-        whole = dev.stage_models[("whole",)]["bytes"]
-        name = content_name_of(f"{dev.tag}-whole", dev.uploads.digest(whole))
-        client.unload_model(name, force=True)
+    dev = deriving
+    run_once(dev, plan_of(dev, ["s0"], ["layer2"], tail=True))
+    whole = dev.stage_models[("whole",)]["bytes"]
+    name = content_name_of(f"{dev.tag}-whole", dev.uploads.digest(whole))
+    dev.client(0, 0).unload_model(name, force=True)
+    before = dev.uploads.sent_bytes
+    got = run_once(dev, plan_of(dev, ["s0"], ["layer1.0"], tail=True), seed=2)
+    assert dev.uploads.sent_bytes - before > len(whole)
+    want = reference(dev, pixels(2))
+    assert float(np.abs(got - want).max()) / float(np.abs(want).max()) < 1e-4
+
+
+def test_servers_that_do_not_derive_get_the_stage_models_and_the_outputs_are_the_same(deriving):
+    """The fallback: a server without the capability (`deepco serve --no-derive-stages`) is sent every stage
+    model, no whole model; the same plan's output is bit-identical to the derived stages' output."""
+    levels = ["layer1", "layer3"]
+    derived = run_once(deriving, plan_of(deriving, ["s0"], levels, tail=True), seed=3)
+    with servers(1, derive=False) as srvs, device(srvs) as dev:
+        assert DERIVES not in dev.client(0, 0).server_metadata()["extensions"]
         before = dev.uploads.sent_bytes
-        got = run_once(dev, plan_of(dev, ["s0"], ["layer3"], tail=True), seed=2)
-        assert dev.uploads.sent_bytes - before > len(whole)
-        want = reference(dev, pixels(2))
-        assert float(np.abs(got - want).max()) / float(np.abs(want).max()) < 1e-4
+        uploaded = run_once(dev, plan_of(dev, ["s0"], levels, tail=True), seed=3)
+        stages = dev.stage_models[tuple(levels)]
+        assert dev.uploads.sent_bytes - before == sum(len(d) for d in stages["segments"]) + len(stages["tail_bytes"])
+    assert np.array_equal(derived, uploaded)
 
 
 def _code(call) -> grpc.StatusCode:
