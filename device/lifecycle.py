@@ -17,6 +17,7 @@ import grpc
 from deepco_device.backpressure import while_busy
 
 from deepco.errors import UserError
+from deepco.partition.derive import Dims
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import InferenceClient, ServerError, content_name_of
 
@@ -104,6 +105,7 @@ class Uploads:
         self._names: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, SHA-256 hex digest)
         self._wholes: dict[tuple[str, str], InferenceClient] = {}  # (address, name) -> client: whole models held
         self._derivers: dict[str, bool] = {}  # address -> whether its server derives stage models
+        self._direct: dict[str, int] = {}  # address -> bytes of stage models uploaded there instead of derived
         self._sent = 0  # bytes sent in model loads (`sent_bytes`)
         self._lock = threading.Lock()
 
@@ -134,8 +136,8 @@ class Uploads:
         Each call is one more user of the model (`drop` gives it back). A model this device already holds
         there is not loaded again (a replan then costs no call to a server that may be frozen); after `forget`
         it is. With a ``source``, a server that derives stage models makes it itself from the whole model
-        (sent there once) and the stage's description, else the bytes are uploaded. A server without room for
-        it raises `NoRoom` at once; a busy one is waited for."""
+        (sent there once, when that pays: `_derive`) and the stage's description, else the bytes are uploaded.
+        A server without room for it raises `NoRoom` at once; a busy one is waited for."""
         name = self.name_of(model_bytes, base)
         key = (client.address, name)
         with self._lock:
@@ -183,10 +185,20 @@ class Uploads:
     def _derive(self, client: InferenceClient, model_bytes: bytes, name: str, base: str, source: StageSource) -> bool:
         """Have ``client``'s server derive the stage ``source`` describes as ``name``, holding the whole model
         there first if it does not yet; False where it cannot (no room for the whole model, or its stage
-        differs from ``model_bytes``): then the caller uploads the stage."""
+        differs from ``model_bytes``), or where it does not pay yet: then the caller uploads the stage.
+
+        The whole model is sent to a server only once the stage models uploaded there would outweigh it (or
+        for an offload, whose model it is): a cold setup that needs only a prefix of a ResNet's weights on a
+        server (its last blocks are most of them) would otherwise send more, not less; so a server never gets
+        more than twice the bytes the cheaper of the two ways would have sent it (a ski rental)."""
         whole = source.whole()
         whole_digest = self.digest(whole)
         whole_key = (client.address, content_name_of(f"{base}-whole", whole_digest))
+        with self._lock:
+            uploaded = self._direct.get(client.address, 0) + len(model_bytes)
+            if whole_key not in self._wholes and source.dims != Dims.WHOLE and uploaded <= len(whole):
+                self._direct[client.address] = uploaded
+                return False
         description = source.description(whole_digest)
         digest = self.digest(model_bytes)
         for _ in range(2):  # a second time after the server lost the whole model (its lease, a restart)
@@ -236,6 +248,7 @@ class Uploads:
             self._held = {k: v for k, v in self._held.items() if k[0] != address}
             self._wholes = {k: v for k, v in self._wholes.items() if k[0] != address}
             self._derivers.pop(address, None)
+            self._direct.pop(address, None)
 
     def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references
