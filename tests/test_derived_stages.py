@@ -213,7 +213,19 @@ def test_bad_descriptions_get_their_status_and_the_server_stays_up(resnet_partit
         assert client.model_index() == [] and client.server_ready()
         client.derive_model(good, "s", sha256=hashlib.sha256(seg.model.SerializeToString()).hexdigest())
         assert [m.name for m in client.model_index()] == ["s"]
+        client.unload_model("s")  # a derived model goes as an uploaded one does
+        assert client.model_index() == []
         client.close()
+
+    # the whole model's bytes count against --max-model-bytes
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1, max_model_bytes=len(whole) - 1))
+    try:
+        client = InferenceClient(f"127.0.0.1:{srv.port}")
+        assert _code(lambda: client.load_model(whole, "w", whole=True)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.server_ready()
+        client.close()
+    finally:
+        srv.stop(0)
 
     with servers(1, derive=False) as (srv,):
         client = InferenceClient(f"127.0.0.1:{srv.port}")
