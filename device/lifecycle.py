@@ -10,14 +10,39 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from deepco_device.backpressure import while_busy
 
 from deepco.errors import UserError
+from deepco.partition.derive import Dims
+from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import InferenceClient, ServerError, content_name_of
 
 UNLOAD_TIMEOUT = 5.0  # per model on close: a frozen server must not hold up the device's exit
+DERIVES = "deepco_derive_stages"  # ServerMetadata's extension of a server that derives stage models
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """How a server that derives stage models (`deepco serve`, server/derived.py) makes a stage model itself:
+    from the device's whole model, held there once, and the stage's description (deepco.StageDescription)."""
+
+    whole: Callable[[], bytes]  # the whole model's bytes (made on first need, then kept by the device)
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    dims: int  # deepco.partition.derive.Dims
+    name: str  # the stage model's graph name
+    height: int
+    width: int
+
+    def description(self, whole_sha256: str) -> bytes:
+        """The serialized description of this stage of the whole model of digest ``whole_sha256``."""
+        return dpb.StageDescription(whole_sha256=whole_sha256, inputs=self.inputs, outputs=self.outputs,
+                                    dims=self.dims, name=self.name, height=self.height,
+                                    width=self.width).SerializeToString()
 
 
 class NoRoom(UserError):
@@ -44,14 +69,19 @@ def no_room(client: InferenceClient, size: int) -> str | None:
     return None
 
 
-def load_with_room(client: InferenceClient, model_bytes: bytes, name: str, sha256: str | None = None) -> None:
+def load_with_room(client: InferenceClient, model_bytes: bytes, name: str, sha256: str | None = None,
+                   call: Callable[[], None] | None = None) -> None:
     """Load ``model_bytes`` as ``name`` on ``client``'s server, waiting for a busy server (back-pressure) but
     raising `NoRoom` at once when its model slots or bytes are full. ``sha256``: the bytes' digest, where
-    known (else computed again)."""
+    known (else computed again). ``call``: the load to make instead of uploading the bytes (a derivation, or
+    a whole model to hold), refused for room as an upload of them would be."""
 
     def load() -> None:
         try:
-            client.load_model(model_bytes, name, sha256=sha256)
+            if call is not None:
+                call()
+            else:
+                client.load_model(model_bytes, name, sha256=sha256)
         except ServerError as exc:
             if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
@@ -73,6 +103,10 @@ class Uploads:
         # which a switch to a plan whose models are already held must not cost (the bytes are kept, so no id is
         # reused while its entry lives)
         self._names: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, SHA-256 hex digest)
+        self._wholes: dict[tuple[str, str], InferenceClient] = {}  # (address, name) -> client: whole models held
+        self._derivers: dict[str, bool] = {}  # address -> whether its server derives stage models
+        self._direct: dict[str, int] = {}  # address -> bytes of stage models uploaded there instead of derived
+        self._sent = 0  # bytes sent in model loads (`sent_bytes`)
         self._lock = threading.Lock()
 
     def digest(self, model_bytes: bytes) -> str:
@@ -97,11 +131,13 @@ class Uploads:
         with self._lock:
             return (address, name) in self._held
 
-    def upload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
+    def upload(self, client: InferenceClient, model_bytes: bytes, base: str, source: StageSource | None = None) -> str:
         """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name.
         Each call is one more user of the model (`drop` gives it back). A model this device already holds
         there is not loaded again (a replan then costs no call to a server that may be frozen); after `forget`
-        it is. A server without room for it raises `NoRoom` at once; a busy one is waited for."""
+        it is. With a ``source``, a server that derives stage models makes it itself from the whole model
+        (sent there once, when that pays: `_derive`) and the stage's description, else the bytes are uploaded.
+        A server without room for it raises `NoRoom` at once; a busy one is waited for."""
         name = self.name_of(model_bytes, base)
         key = (client.address, name)
         with self._lock:
@@ -109,11 +145,87 @@ class Uploads:
                 self._held[key] = (client, self._held[key][1] + 1)
                 return name
 
-        load_with_room(client, model_bytes, name, self.digest(model_bytes))  # the server checks the digest
+        if source is None or not self._derives(client) or not self._derive(client, model_bytes, name, base, source):
+            self._send(client, model_bytes, name, len(model_bytes))  # the server checks the digest
         with self._lock:
             users = self._held.get(key, (client, 0))[1]
             self._held[key] = (client, users + 1)
         return name
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this device sent in model loads so far (uploaded models, whole models, stage descriptions)."""
+        with self._lock:
+            return self._sent
+
+    def _send(self, client: InferenceClient, model_bytes: bytes, name: str, nbytes: int,
+              call: Callable[[], None] | None = None) -> None:
+        """`load_with_room`, counting the ``nbytes`` each try sends."""
+
+        def counted() -> None:
+            with self._lock:
+                self._sent += nbytes
+            if call is not None:
+                call()
+            else:
+                client.load_model(model_bytes, name, sha256=self.digest(model_bytes))
+
+        load_with_room(client, model_bytes, name, call=counted)
+
+    def _derives(self, client: InferenceClient) -> bool:
+        """Whether ``client``'s server derives stage models (asked once per server, and again after `forget`)."""
+        with self._lock:
+            known = self._derivers.get(client.address)
+        if known is None:
+            known = DERIVES in while_busy(client.server_metadata)["extensions"]
+            with self._lock:
+                self._derivers[client.address] = known
+        return known
+
+    def _derive(self, client: InferenceClient, model_bytes: bytes, name: str, base: str, source: StageSource) -> bool:
+        """Have ``client``'s server derive the stage ``source`` describes as ``name``, holding the whole model
+        there first if it does not yet; False where it cannot (no room for the whole model, or its stage
+        differs from ``model_bytes``), or where it does not pay yet: then the caller uploads the stage.
+
+        The whole model is sent to a server only once the stage models uploaded there would outweigh it (or
+        for an offload, whose model it is): a cold setup that needs only a prefix of a ResNet's weights on a
+        server (its last blocks are most of them) would otherwise send more, not less; so a server never gets
+        more than twice the bytes the cheaper of the two ways would have sent it (a ski rental)."""
+        whole = source.whole()
+        whole_digest = self.digest(whole)
+        whole_key = (client.address, content_name_of(f"{base}-whole", whole_digest))
+        with self._lock:
+            uploaded = self._direct.get(client.address, 0) + len(model_bytes)
+            if whole_key not in self._wholes and source.dims != Dims.WHOLE and uploaded <= len(whole):
+                self._direct[client.address] = uploaded
+                return False
+        description = source.description(whole_digest)
+        digest = self.digest(model_bytes)
+        for _ in range(2):  # a second time after the server lost the whole model (its lease, a restart)
+            with self._lock:
+                holds = whole_key in self._wholes
+            if not holds:
+                try:
+                    self._send(client, whole, whole_key[1], len(whole),
+                               call=lambda: client.load_model(whole, whole_key[1], sha256=whole_digest, whole=True))
+                except NoRoom:
+                    return False
+                with self._lock:
+                    self._wholes[whole_key] = client
+            try:
+                self._send(client, model_bytes, name, len(description),
+                           call=lambda: client.derive_model(description, name, sha256=digest))
+                return True
+            except ServerError as exc:
+                if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                    # the server's extraction differs from this device's, or it cannot make this stage (another
+                    # version of the partition code): upload the stage itself
+                    return False
+                if exc.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                with self._lock:
+                    self._wholes.pop(whole_key, None)
+        return False
 
     def drop(self, held: list[tuple[str, str]]) -> list[str]:
         """One user fewer of each (address, name) in ``held`` (a runner's `upload` results); unload the models
@@ -136,6 +248,9 @@ class Uploads:
         unload them on release."""
         with self._lock:
             self._held = {k: v for k, v in self._held.items() if k[0] != address}
+            self._wholes = {k: v for k, v in self._wholes.items() if k[0] != address}
+            self._derivers.pop(address, None)
+            self._direct.pop(address, None)
 
     def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references
@@ -144,6 +259,9 @@ class Uploads:
         with self._lock:
             held = [(c, k[1]) for k, (c, _) in self._held.items() if names is None or k[1] in names]
             self._held = {k: v for k, v in self._held.items() if names is not None and k[1] not in names}
+            if names is None:  # the whole models held for derivation go with the last of their stages
+                held = [(c, k[1]) for k, c in self._wholes.items()] + held
+                self._wholes = {}
         return _unload(list(reversed(held)), set(skip))
 
 

@@ -289,9 +289,13 @@ class Chosen:
         """Print the prediction for what runs, ``depth`` frames in flight; the predicted latency (seconds)."""
         latency, fps = pipelined(self.plan, dev.costs, dev.rates(), depth)
         which = "" if self.paper else f"plan: {self.plan.describe()}; "
+        sent, models = dev.pool.bytes_sent(), dev.uploads.sent_bytes
         print(f"{which}predicted with {depth} frame(s) in flight: {latency * 1e3:.1f} ms, {fps:.2f} fps (one frame "
-              f"alone: {self.plan.predicted * 1e3:.1f} ms); {dev.pool.bytes_sent() / 1e6:.2f} MB sent to the servers "
-              "so far", flush=True)
+              f"alone: {self.plan.predicted * 1e3:.1f} ms); {sent / 1e6:.2f} MB sent to the servers so far, "
+              f"{models / 1e6:.2f} MB of them in model loads", flush=True)
+        # the run's JSON log (--json-log) records the setup's bytes with the frames: issue 27's "before and after"
+        dev.events.append({"event": "setup", "bytes_sent": sent, "model_load_bytes": models,
+                           "at": time.perf_counter()})
         if self.slo is not None:
             print(self.slo.note(), flush=True)
         return latency

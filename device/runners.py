@@ -35,10 +35,12 @@ from deepco_device.backpressure import while_busy
 from deepco_device.feed import Feed
 from deepco_device.giveup import GiveUp
 from deepco_device.health import Health
+from deepco_device.lifecycle import StageSource
 from deepco_device.measuring import device_session as _session
 from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult, FrameTiming, ServerStep, StepTimes
 
+from deepco.partition.derive import Dims
 from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
 from deepco.wire import deepco_service_pb2 as dpb
@@ -133,10 +135,11 @@ class StagedRunner:
         for problem in self.device.uploads.drop(held):
             self.log(f"warning: {problem}")
 
-    def _upload(self, server: str, data: bytes) -> str:
-        """Load (content-addressed, reference-counted: see device.lifecycle) and remember for `close`."""
+    def _upload(self, server: str, data: bytes, source: StageSource | None = None) -> str:
+        """Load (content-addressed, reference-counted, derived by the server from ``source`` where it can: see
+        device.lifecycle) and remember for `close`."""
         client = self.device.client(self.index[server], 0)
-        name = self.device.uploads.upload(client, data, self.device.tag)
+        name = self.device.uploads.upload(client, data, self.device.tag, source)
         self.held.append((client.address, name))
         return name
 
@@ -223,7 +226,9 @@ class OffloadRunner(StagedRunner):
 
     def _prepare(self) -> None:
         dev = self.device
-        self.whole_name = self._upload(self.plan.servers[0], _whole_bytes(dev))
+        g = dev.partitioner.graph
+        source = _source(dev, [g.input_name], list(g.outputs), Dims.WHOLE, "whole")
+        self.whole_name = self._upload(self.plan.servers[0], _whole_bytes(dev), source)
         self.whole_input = dev.model.graph.input[0].name
         self.output_specs = output_specs(dev.model)  # what the server's answer must be
 
@@ -309,10 +314,11 @@ class SplitRunner(StagedRunner):
         p = dev.partitioner
         parts = _stage_models(dev, tuple(plan.levels))
         data = parts["segments"]
+        sources = [_source(dev, [a], [b], Dims.ROWS, name) for a, b, name in parts["sources"]]
         self.segment_names = []
         for server in plan.servers:
             if server != DEVICE:
-                self.segment_names = [self._upload(server, d) for d in data]
+                self.segment_names = [self._upload(server, d, src) for d, src in zip(data, sources, strict=True)]
         if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
             if "own" not in parts:
                 parts["own"] = _session(data[0])
@@ -332,7 +338,9 @@ class SplitRunner(StagedRunner):
             self.tail_outputs = [o.name for o in self.tail.get_outputs()]
             self.tail_name = ""
         else:
-            self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
+            cut = p.cut(plan.levels[-1]).tensor
+            source = _source(dev, [cut], list(p.graph.outputs), Dims.STATIC, tail.graph.name)
+            self.tail_name = self._upload(plan.tail, parts["tail_bytes"], source)
         self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
                       for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * p.graph.itemsize
@@ -510,8 +518,12 @@ class ScalesRunner(SplitRunner):
     def _prepare(self) -> None:
         dev, plan = self.device, self.plan
         parts = _level_models(dev, tuple(plan.levels))
+        sources = [_source(dev, stage.inputs, stage.outputs, Dims.TENSOR_ROWS, stage.model.graph.name)
+                   for stage in parts["stages"]]
+        self.segment_names = []
         for server in plan.servers:
-            self.segment_names = [self._upload(server, data) for data in parts["stages_bytes"]]
+            self.segment_names = [self._upload(server, data, source)
+                                  for data, source in zip(parts["stages_bytes"], sources, strict=True)]
         g = dev.partitioner.graph
         dtypes = {vi.name: value_dtype(vi) for stage in parts["stages"]
                   for vi in [*stage.model.graph.input, *stage.model.graph.output]}
@@ -520,8 +532,10 @@ class ScalesRunner(SplitRunner):
         self.tail = parts["tail_session"] if plan.tail is None else None
         self.tail_name = ""
         if plan.tail is not None:
-            self.tail_name = self._upload(plan.tail, parts["tail_bytes"])
-            self.output_specs = output_specs(parts["tail"])
+            tail = parts["tail"]
+            source = _source(dev, [i.name for i in tail.graph.input], list(g.outputs), Dims.STATIC, tail.graph.name)
+            self.tail_name = self._upload(plan.tail, parts["tail_bytes"], source)
+            self.output_specs = output_specs(tail)
         self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * g.itemsize
 
@@ -601,6 +615,12 @@ def _whole_bytes(device: Device) -> bytes:
     return parts["bytes"]
 
 
+def _source(device: Device, inputs: list[str], outputs: list[str], dims: Dims, name: str) -> StageSource:
+    """How a server derives the stage from ``inputs`` to ``outputs`` itself (device.lifecycle.StageSource)."""
+    return StageSource(whole=lambda: _whole_bytes(device), inputs=tuple(inputs), outputs=tuple(outputs),
+                       dims=int(dims), name=name, height=device.height, width=device.width)
+
+
 def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
     """The segment models (bytes) and the tail (model, bytes; ORT sessions added by the runners) of a chain of
     levels, extracted once per device: a replan onto the same levels (failover, a switch, rejoin) then costs
@@ -611,7 +631,8 @@ def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
         segments = p.segments(levels[-1], models=True, through=list(levels[:-1]))
         _, tail = p.split(levels[-1])
         parts = {"segments": [seg.model.SerializeToString() for seg in segments], "tail": tail,
-                 "tail_bytes": tail.SerializeToString()}
+                 "tail_bytes": tail.SerializeToString(),
+                 "sources": [(seg.source, seg.target, seg.model.graph.name) for seg in segments]}
         device.stage_models[levels] = parts
     return parts
 

@@ -84,6 +84,7 @@ class ServeConfig:
     max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, SplitRun, SplitExchange, Health/Watch) open at once
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # request bytes admitted calls hold at once
     server_id: str | None = None  # what ServerMetadata reports as deepco_server_id; None: `default_server_id`
+    derive_stages: bool = True  # hold whole models and derive stage models from descriptions (server.derived)
 
     def __post_init__(self) -> None:
         # The one check of the limits: the command line's parsers check them too, but a config made in code
@@ -147,7 +148,8 @@ class Server:
         self.runtime = runtime or choose_runtime(config.device, config.threads)
         self.peer_security = config.security.peer_security()
         registry = Registry(self.runtime, config.max_models, config.max_model_bytes,
-                            lease=config.model_lease or None, max_request_bytes=config.max_request_bytes)
+                            lease=config.model_lease or None, max_request_bytes=config.max_request_bytes,
+                            derive=config.derive_stages)
         self.refusals = Refusals()
         admission = Admission(config.max_inflight, config.concurrent_runs)
         self.state = ServerState(registry, admission, self.peer_security, config.peers,

@@ -101,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-id", default=None, metavar="ID",
                    help="the id ServerMetadata reports (deepco_server_id), which devices key their cached plans on; "
                         "default: one derived from the host, the port and the runtime, the same across restarts")
+    p.add_argument("--no-derive-stages", dest="derive_stages", action="store_false",
+                   help="do not hold whole models nor derive stage models from a device's stage descriptions (devices "
+                        "then upload every stage model; default: derive them, so a new plan sends a few hundred bytes "
+                        "per stage)")
     sec = p.add_argument_group("security (plain text off loopback is allowed, with a warning on stderr)")
     sec.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate (chain): serve TLS only")
     sec.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -143,4 +147,4 @@ def run(args: argparse.Namespace) -> int:
                              max_request_bytes=args.max_request_bytes, peers=args.peers,
                              metrics_token=args.metrics_token, stream_idle_seconds=args.stream_idle_timeout,
                              max_streams=args.max_streams, max_held_bytes=args.max_held_bytes,
-                             server_id=args.server_id))
+                             server_id=args.server_id, derive_stages=args.derive_stages))

@@ -96,4 +96,5 @@ class ServerState:
                 f"deepco_execution_provider={runtime.provider}", f"deepco_intra_op_threads={runtime.threads}",
                 f"deepco_max_models={registry.max_models}", f"deepco_max_model_bytes={registry.max_model_bytes}",
                 f"deepco_max_inflight={self.admission.limit}", f"deepco_concurrent_runs={self.admission.running}",
-                *([f"deepco_server_id={self.server_id}"] if self.server_id else [])]
+                *([f"deepco_server_id={self.server_id}"] if self.server_id else []),
+                *(["deepco_derive_stages"] if registry.derive_stages else [])]

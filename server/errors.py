@@ -62,6 +62,12 @@ class AlreadyExists(ServerFault):
     kind = Kind.ALREADY_EXISTS
 
 
+class FailedPrecondition(ServerFault):
+    """The request needs a state the server is not in (a stage derived from a whole model that differs)."""
+
+    kind = Kind.FAILED_PRECONDITION
+
+
 class PermissionDenied(ServerFault):
     """The request asks the server to dial an address it is not allowed to."""
 

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
-from deepco_server.errors import AlreadyExists, NotFound, ResourceExhausted, ServerFault, invalid
+from deepco_server.derived import Whole, check_derived, find_whole, whole_model
+from deepco_server.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+    ServerFault,
+    invalid,
+)
 from deepco_server.model_checks import (
     DEFAULT_MAX_REQUEST_BYTES,
     SizeBound,
@@ -30,6 +38,7 @@ from deepco_server.model_checks import (
 from onnx import TensorProto, helper
 
 from deepco.errors import UserError
+from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.tensors import DATATYPES, ORT_TYPES, numpy_dtype
 
 log = logging.getLogger("deepco.serve")
@@ -293,6 +302,18 @@ def check_model_name(name: str) -> None:
         raise invalid(f"model_name {name[:40]!r} holds control characters")
 
 
+def named_digest(name: str, model_bytes: bytes) -> str:
+    """The SHA-256 (hex) of ``model_bytes`` to load as ``name``, after checking the name, and that a
+    content-addressed name's digits are the bytes' digest (INVALID_ARGUMENT otherwise)."""
+    check_model_name(name)
+    sha256 = hashlib.sha256(model_bytes).hexdigest()
+    claimed = CONTENT_NAME.fullmatch(name)
+    if claimed and not sha256.startswith(claimed.group(1)):
+        raise invalid(f"model name {name!r} is content-addressed (sha256 {claimed.group(1)}...) but the file's "
+                      f"sha256 is {sha256[:16]}...")
+    return sha256
+
+
 @dataclass
 class Holding:
     """A loaded model's place in the registry: who loaded it, how often, and when it was last used."""
@@ -314,10 +335,13 @@ class Registry:
     """
 
     def __init__(self, runtime: Runtime, max_models: int, max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES,
-                 lease: float | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 lease: float | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 derive: bool = True):
         self.runtime, self.max_models, self.max_model_bytes = runtime, max_models, max_model_bytes
         self.lease, self.max_request_bytes = lease, max_request_bytes
+        self.derive_stages = derive  # hold whole models and derive stage models from them (server.derived)
         self._models: dict[tuple[str, str], Holding] = {}
+        self._wholes: dict[tuple[str, str], Whole] = {}  # (owner, name) -> a whole model held for derivation
         self._lock = threading.Lock()
 
     def _sweep(self) -> None:
@@ -328,15 +352,22 @@ class Registry:
         for key in [k for k, h in self._models.items() if now - h.last_used > self.lease and not h.model.running]:
             self._models.pop(key)
             log.info("unloaded model %r (owner %r): unused for over the %gs lease", key[1], key[0], self.lease)
+        for key in [k for k, w in self._wholes.items() if now - w.last_used > self.lease]:
+            self._wholes.pop(key)
+            log.info("dropped whole model %r (owner %r): unused for over the %gs lease", key[1], key[0], self.lease)
 
     def _check_room(self, name: str, size: int) -> None:
         if len(self._models) >= self.max_models:
             raise ResourceExhausted(f"cannot load model {name!r}: {len(self._models)} models are loaded, the limit "
                                     f"(--max-models) is {self.max_models}; unload one first")
-        held = sum(h.model.size for h in self._models.values())
+        held = self._held()
         if held + size > self.max_model_bytes:
             raise ResourceExhausted(f"cannot load model {name!r} ({size} bytes): loaded models hold {held} bytes and "
                                     f"the limit (--max-model-bytes) is {self.max_model_bytes}; unload one first")
+
+    def _held(self) -> int:
+        """Bytes of the loaded models and the whole models held (called with the lock held)."""
+        return sum(h.model.size for h in self._models.values()) + sum(w.size for w in self._wholes.values())
 
     def _same_or_refuse(self, holding: Holding, version: str, sha256: str) -> LoadedModel:
         """A load of a name already loaded: one more reference if it is the same file, else ALREADY_EXISTS."""
@@ -354,18 +385,13 @@ class Registry:
         """Uploaded bytes of the models loaded now (what --max-model-bytes bounds)."""
         with self._lock:
             self._sweep()
-            return sum(h.model.size for h in self._models.values())
+            return self._held()
 
     def load(self, name: str, version: str, model_bytes: bytes, owner: str = "") -> LoadedModel:
         """Load model ``name`` for ``owner`` (see the class doc); a bad ONNX file is INVALID_ARGUMENT, one
         that references files is INVALID_ARGUMENT and one whose memory cannot be bounded RESOURCE_EXHAUSTED,
         all before ONNX Runtime sees it."""
-        check_model_name(name)
-        sha256 = hashlib.sha256(model_bytes).hexdigest()
-        claimed = CONTENT_NAME.fullmatch(name)
-        if claimed and not sha256.startswith(claimed.group(1)):
-            raise invalid(f"model name {name!r} is content-addressed (sha256 {claimed.group(1)}...) but the file's "
-                          f"sha256 is {sha256[:16]}...")
+        sha256 = named_digest(name, model_bytes)
         key = (owner, name)
         with self._lock:
             self._sweep()
@@ -410,6 +436,8 @@ class Registry:
         with self._lock:
             self._sweep()
             holding = self._models.get((owner, name))
+            if holding is None and (owner, name) in self._wholes:
+                return self._drop_whole(owner, name, force)
             if holding is None:
                 raise NotFound(f"model {name!r} is not loaded")
             holding.refs = 0 if force else holding.refs - 1
@@ -419,6 +447,76 @@ class Registry:
             del self._models[(owner, name)]
         log.info("unloaded model %r (owner %r)", name, owner)
         return 0
+
+    def _drop_whole(self, owner: str, name: str, force: bool) -> int:
+        """Drop one reference to a whole model held (called with the lock held); the references left."""
+        whole = self._wholes[(owner, name)]
+        whole.refs = 0 if force else whole.refs - 1
+        if whole.refs <= 0:
+            del self._wholes[(owner, name)]
+            log.info("dropped whole model %r (owner %r)", name, owner)
+        return max(whole.refs, 0)
+
+    def load_whole(self, name: str, model_bytes: bytes, owner: str = "") -> None:
+        """Hold ``model_bytes`` as ``owner``'s whole model ``name`` to derive stage models from (server.derived):
+        checked as an upload, its bytes counted against --max-model-bytes, no model slot; the same bytes under
+        the same name add a reference."""
+        self._check_derivation()
+        sha256 = named_digest(name, model_bytes)
+        with self._lock:
+            self._sweep()
+            if self._same_whole(owner, name, sha256):
+                return
+            self._check_bytes(name, len(model_bytes))
+        whole = Whole(name, sha256, len(model_bytes), whole_model(model_bytes, name))
+        with self._lock:
+            if self._same_whole(owner, name, sha256):
+                return
+            self._check_bytes(name, len(model_bytes))
+            self._wholes[(owner, name)] = whole
+        log.info("holding whole model %r (%d bytes, sha256 %s, owner %r) to derive stages from", name,
+                 len(model_bytes), sha256[:16], owner)
+
+    def _same_whole(self, owner: str, name: str, sha256: str) -> bool:
+        """Whether ``owner`` holds whole model ``name`` with these bytes already (one more reference), else
+        False; other bytes under the name are ALREADY_EXISTS (called with the lock held)."""
+        whole = self._wholes.get((owner, name))
+        if whole is None:
+            return False
+        if whole.sha256 != sha256:
+            raise AlreadyExists(f"whole model {name!r} is held with sha256 {whole.sha256[:16]}...; this file "
+                                f"({sha256[:16]}...) differs")
+        whole.refs += 1
+        whole.last_used = time.monotonic()
+        return True
+
+    def _check_bytes(self, name: str, size: int) -> None:
+        held = self._held()
+        if held + size > self.max_model_bytes:
+            raise ResourceExhausted(f"cannot hold whole model {name!r} ({size} bytes): loaded models hold {held} "
+                                    f"bytes and the limit (--max-model-bytes) is {self.max_model_bytes}")
+
+    def _check_derivation(self) -> None:
+        if not self.derive_stages:
+            raise FailedPrecondition("this server does not derive stage models (deepco serve --no-derive-stages): "
+                                     "upload the model file")
+
+    def derive(self, name: str, version: str, description: dpb.StageDescription, expected_sha256: str,
+               owner: str = "") -> LoadedModel:
+        """Load as ``name`` the stage model ``description`` names, derived from ``owner``'s whole model of its
+        ``whole_sha256`` (NOT_FOUND if none is held); ``expected_sha256``: the device's digest of the stage
+        (FAILED_PRECONDITION if the derived bytes differ). Loaded as an upload is, within the same limits."""
+        self._check_derivation()
+        check_model_name(name)
+        with self._lock:
+            self._sweep()
+            whole = find_whole(self._wholes, owner, description.whole_sha256)
+            if (owner, name) in self._models:  # a plan's stage loaded before: one more reference, no derivation
+                return self._same_or_refuse(self._models[(owner, name)], version, self._models[(owner, name)].sha256)
+            self._check_room(name, 0)  # fail early, before the extraction
+        model_bytes = whole.derive(description)
+        check_derived(name, hashlib.sha256(model_bytes).hexdigest(), expected_sha256)
+        return self.load(name, version, model_bytes, owner)
 
     def get(self, name: str, version: str = "", owner: str = "") -> LoadedModel:
         """``owner``'s model ``name`` (of ``version``, if given) or NOT_FOUND; renews its lease."""

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 from deepco_server.budgets import reserve
 from deepco_server.dataplane import ServerState
+from deepco_server.derived import is_whole, stage_from_load_request
 from deepco_server.errors import ResourceExhausted, ServerFault, Unavailable, invalid
 from deepco_server.models import PLATFORM, model_from_load_request
 from deepco_server.security import client_identity, sender_identity
@@ -182,8 +183,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                             context: grpc.ServicerContext) -> pb.RepositoryModelLoadResponse:
         if self.state.draining.is_set():
             raise Unavailable("server is shutting down")
+        registry, owner = self.state.registry, client_identity(context)
+        stage = stage_from_load_request(request.parameters)
+        if stage is not None:  # a stage model derived from a whole model held here (server.derived)
+            registry.derive(request.model_name, "1", *stage, owner)
+            return pb.RepositoryModelLoadResponse()
         model_bytes, version = model_from_load_request(request.parameters)
-        self.state.registry.load(request.model_name, version, model_bytes, client_identity(context))
+        if is_whole(request.parameters):
+            registry.load_whole(request.model_name, model_bytes, owner)
+        else:
+            registry.load(request.model_name, version, model_bytes, owner)
         return pb.RepositoryModelLoadResponse()
 
     @_statuses

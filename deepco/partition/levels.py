@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from deepco.partition.derive import Dims, extract
 from deepco.partition.graph import PartitionError
 from deepco.partition.segments import _row_bytes  # one home for a tensor row's bytes
 
@@ -198,12 +199,7 @@ def make_stages(p: Partitioner, levels: list[Level], models: bool = False) -> li
         align = math.lcm(g.alignment(nodes), *(int(g.stride[t]) for t in inputs + outputs))
         model = None
         if extractor is not None:
-            model = extractor.extract_model(inputs, outputs)
-            for vi in [*model.graph.input, *model.graph.output]:
-                for d, axis in zip(vi.type.tensor_type.shape.dim[2:], ("rows", "cols"), strict=False):
-                    d.Clear()
-                    d.dim_param = f"{vi.name}_{axis}"
-            model = p._finish(model, f"{dst.name}-stage")
+            model = extract(extractor, inputs, outputs, Dims.TENSOR_ROWS, f"{dst.name}-stage")
         stages.append(Stage(j, dst.name, inputs, outputs, carried, align, nodes, p, model))
     return stages
 
@@ -214,8 +210,8 @@ def tail_model(p: Partitioner, level: Level) -> onnx.ModelProto | None:
     if all(o in level.tensors for o in g.outputs):
         return None
     static = p._with_input_dims((p.height, p.width))
-    tail = onnx.utils.Extractor(static).extract_model(list(level.tensors), list(g.outputs))
-    return p._finish(tail, f"{level.name}-tail")
+    return extract(onnx.utils.Extractor(static), list(level.tensors), list(g.outputs), Dims.STATIC,
+                   f"{level.name}-tail")
 
 
 Runner = Callable[[onnx.ModelProto, dict[str, np.ndarray]], Sequence[np.ndarray]]

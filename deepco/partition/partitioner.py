@@ -11,12 +11,11 @@ output; the forward check guarantees they are all exact, so a sliced run equals 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass
 
 import onnx
-from onnx import shape_inference
 
+from deepco.partition.derive import Dims, extract, finish, with_input_dims
 from deepco.partition.flops import node_flops
 from deepco.partition.graph import PartitionError, RowGraph, Stop
 from deepco.partition.levels import Level, Runner, Stage, make_levels, make_stages, run_stages, tail_model
@@ -278,44 +277,19 @@ class Partitioner:
         whole cut tensor to the model's outputs. Both extracted with onnx.utils.Extractor and checked."""
         c = self.cut(cut)
         g = self.graph
-        dynamic = self._with_input_dims(("height", "width"))
-        head = onnx.utils.Extractor(dynamic).extract_model([g.input_name], [c.tensor])
-        dims = head.graph.output[0].type.tensor_type.shape.dim
-        for d, param in zip(dims[2:], ("out_height", "out_width"), strict=False):
-            d.Clear()
-            d.dim_param = param
-        head = self._finish(head, f"{c.name}-head")
-        static = self._with_input_dims((self.height, self.width))
-        tail = onnx.utils.Extractor(static).extract_model([c.tensor], list(g.outputs))
-        return head, self._finish(tail, f"{c.name}-tail")
+        head = extract(onnx.utils.Extractor(self._with_input_dims(("height", "width"))), [g.input_name], [c.tensor],
+                       Dims.ROWS, f"{c.name}-head")
+        static = onnx.utils.Extractor(self._with_input_dims((self.height, self.width)))
+        return head, extract(static, [c.tensor], list(g.outputs), Dims.STATIC, f"{c.name}-tail")
 
     def whole(self) -> onnx.ModelProto:
         """The whole model at this input size with the image-independent subgraphs folded to constants: what a
         server runs for an offload (an exported Pad whose pads are computed from the input's shape would
         otherwise make its output size depend on values, and a server cannot bound such a request's memory)."""
-        return self._finish(self._with_input_dims((self.height, self.width)), "whole")
+        return finish(self._with_input_dims((self.height, self.width)), "whole")
 
     def _with_input_dims(self, hw: tuple[int | str, int | str]) -> onnx.ModelProto:
-        model = copy.deepcopy(self.graph.model)
-        del model.graph.value_info[:]
-        for vi in model.graph.input:
-            if vi.name == self.graph.input_name:
-                for d, value in zip(vi.type.tensor_type.shape.dim[2:], hw, strict=True):
-                    d.Clear()
-                    if isinstance(value, int):
-                        d.dim_value = value
-                    else:
-                        d.dim_param = value
-        # Extractor reads the cut tensor's type from value_info: infer it first
-        return shape_inference.infer_shapes(model)
-
-    @staticmethod
-    def _finish(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
-        model.graph.name = name
-        del model.graph.value_info[:]
-        model = shape_inference.infer_shapes(model, strict_mode=True)
-        onnx.checker.check_model(model, full_check=True)
-        return model
+        return with_input_dims(self.graph.model, self.graph.input_name, hw)
 
     def segments(self, cut: str | Cut, models: bool = True, through: list[str] | None = None) -> list[Segment]:
         """The head of ``cut`` as consecutive segments between the cuts before it (MoDNN's levels; see

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import onnx
 
+from deepco.partition.derive import Dims, extract
 from deepco.partition.graph import PartitionError
 
 if TYPE_CHECKING:
@@ -139,13 +140,7 @@ def make_segments(p: Partitioner, cut: str | Cut, models: bool = False,
             align = math.lcm(align, ratio * g.rules[i].rows.stride)
         model = None
         if extractor is not None:
-            model = extractor.extract_model([source], [target])
-            for vi, params in ((model.graph.input[0], ("height", "width")),
-                               (model.graph.output[0], ("out_height", "out_width"))):
-                for d, param in zip(vi.type.tensor_type.shape.dim[2:], params, strict=False):
-                    d.Clear()
-                    d.dim_param = param
-            model = p._finish(model, f"{names[j - 1]}-segment")
+            model = extract(extractor, [source], [target], Dims.ROWS, f"{names[j - 1]}-segment")
         out.append(Segment(index=j, name=names[j - 1], source=source, target=target, in_height=g.hw[source][0],
                            height=g.hw[target][0], in_row_bytes=_row_bytes(p, source),
                            row_bytes=_row_bytes(p, target), stride=align, nodes=nodes, partitioner=p, model=model))

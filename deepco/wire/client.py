@@ -210,20 +210,35 @@ class InferenceClient:
         return result
 
     def load_model(self, model_bytes: bytes, name: str, version: str = "1",
-                   config: Mapping[str, Any] | None = None, sha256: str | None = None) -> None:
+                   config: Mapping[str, Any] | None = None, sha256: str | None = None, whole: bool = False) -> None:
         """Load (or replace) a model from its ONNX bytes, as Triton's RepositoryModelLoad with a
         ``file:<version>/model.onnx`` parameter.
 
         ``sha256`` (hex) goes along as the ``sha256`` parameter and the server refuses the model unless its
         bytes have that digest: pass the digest published with the model to catch a wrong or corrupted file.
         None (the default) sends the digest of ``model_bytes`` (catches corruption on the way); "" sends none.
+        ``whole``: `deepco serve` holds the file as a whole model to derive stage models from (`derive_model`)
+        rather than loading it to run.
         """
         request = pb.RepositoryModelLoadRequest(model_name=name)
+        if whole:
+            request.parameters["deepco_whole"].bool_param = True
         request.parameters["config"].string_param = json.dumps(
             dict(config) if config is not None else {"name": name, "backend": "onnxruntime"})
         request.parameters[f"file:{version}/model.onnx"].bytes_param = model_bytes
         if sha256 is None:
             sha256 = hashlib.sha256(model_bytes).hexdigest()
+        if sha256:
+            request.parameters["sha256"].string_param = sha256
+        self._call(self.inference.RepositoryModelLoad, request)
+        self._input_names.pop(name, None)
+
+    def derive_model(self, description: bytes, name: str, sha256: str = "") -> None:
+        """Load as ``name`` the stage model a `deepco serve` derives from a whole model it holds (``description``:
+        a serialized deepco.StageDescription, sent as the ``deepco_stage`` parameter; ``sha256``: the stage's
+        expected digest, checked by the server)."""
+        request = pb.RepositoryModelLoadRequest(model_name=name)
+        request.parameters["deepco_stage"].bytes_param = description
         if sha256:
             request.parameters["sha256"].string_param = sha256
         self._call(self.inference.RepositoryModelLoad, request)
