@@ -4,7 +4,9 @@ losing a frame.
 - **Measuring.** Each frame's timing (device/records.py: the servers' own `StepTimes` and the device's
   send times) becomes one sample per rate: a server's compute, an antenna's transfer (not when paced: pacing
   makes it exact), the device's own compute (local, or the tail on the device), each as seconds taken over
-  seconds setup's rate gives. `deepco.planning.live_rates.LiveRates` watches them for change points.
+  seconds setup's rate gives (an antenna's: over its bytes' seconds alone; the request's fixed cost stays in
+  the time taken, and the estimator moves that stream by differences, so that it cancels).
+  `deepco.planning.live_rates.LiveRates` watches them for change points.
 - **Re-planning.** On a change point (or a server back from down), ``propose(down, rates)`` makes the plan
   the cost model prefers on the current rates (auto: the staged planner's best; a paper plan: the same
   algorithm). A candidate predicted faster than the running plan by more than ``margin`` is a `Trial`:
@@ -145,7 +147,7 @@ class Adaptation:
             if not self.paced and transfer > 0 and sending > MIN_SAMPLE_SECONDS:
                 m = step.antenna
                 taken[m] = taken.get(m, 0.0) + transfer
-                given[m] = given.get(m, 0.0) + sending + base.request_overhead
+                given[m] = given.get(m, 0.0) + sending  # the bytes alone: the fixed part cancels (live_rates)
         for m, seconds in taken.items():
             out[f"antenna {m}"] = seconds / given[m]
         return out
