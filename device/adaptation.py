@@ -142,7 +142,9 @@ class Adaptation:
             rate = base.server_flops_per_second.get(step.name)
             if rate and w.flops / rate > MIN_SAMPLE_SECONDS and step.compute > 0:
                 out[f"server {step.name}"] = step.compute / (w.flops / rate)
-            transfer = step.received - step.send_start - step.times.input
+            # until the server step began (its input there): not until its `received` event reached the device,
+            # which a server whose CPU share is taken by computing sends late (tens of ms of noise at 100 Mbit/s)
+            transfer = step.origin - step.send_start
             sending = w.sent_bytes / base.antenna_bytes_per_second[step.antenna]
             if not self.paced and transfer > 0 and sending > MIN_SAMPLE_SECONDS:
                 m = step.antenna
