@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepco_device.records import FrameTiming
 
+from deepco.errors import UserError
 from deepco.planning.live_rates import Change, LiveRates, work_of
 from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, same_plan
 
@@ -114,6 +115,7 @@ class Adaptation:
         self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
+        self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
 
     def rates(self) -> Rates:
         """The current rates: setup's (with calibration's fit) moved by every change point seen."""
@@ -121,7 +123,25 @@ class Adaptation:
 
     def observe(self, plan: StagedPlan, timing: FrameTiming) -> list[Change]:
         """Feed a frame of the running ``plan``; the change points it completes."""
-        return self.live.observe(self.samples(plan, timing))
+        changes = self.live.observe(self.samples(plan, timing))
+        if any(c.key.startswith("antenna ") for c in changes):
+            self._unseen_stale = True  # the radio changed: the antennas the plan leaves idle may have too
+        return changes
+
+    def probe_unseen(self, running: StagedPlan) -> None:
+        """After an antenna's change point: the antennas ``running`` does not use show nothing in its frames (a
+        plan planned on their setup rates would trust stale numbers), so each is probed as setup probes it
+        (`Device.measure_antenna`; idle, so the live frames do not share it) and its rate set from that."""
+        if not self._unseen_stale or self.paced:
+            return
+        self._unseen_stale = False
+        base = self.device.rates().antenna_bytes_per_second
+        for m in sorted(set(range(len(base))) - set(running.antennas)):
+            try:
+                now = self.device.measure_antenna(m)
+            except UserError:  # its server busy or gone: planned on what is known
+                continue
+            self.live.measured(f"antenna {m}", base[m] / now)
 
     def samples(self, plan: StagedPlan, timing: FrameTiming) -> dict[str, float]:
         """One frame's slowness samples (seconds taken / seconds at setup's rates), by rate."""
@@ -162,6 +182,7 @@ class Adaptation:
         is predicted better comes first, without a search (a weak camera takes seconds to search while frames
         run slow): its trial's ``cause`` asks for the search after it."""
         margin = self.margin if margin is None else margin
+        self.probe_unseen(running)
         rates = self.rates()
         now = self.seconds(running, rates)
         if quick and margin >= 0:

@@ -290,3 +290,29 @@ def test_an_antennas_rate_is_read_from_when_the_server_began_not_from_its_late_r
         changes += adapt.observe(plan, _offload_frame(0.123 + 0.001 * rng.random(), 0.125 + 0.01 * rng.random()))
     assert [c.key for c in changes] == ["antenna 0"]
     assert adapt.rates().antenna_bytes_per_second[0] == pytest.approx(12.5e6 / 10, rel=0.2)
+
+
+def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_before_planning():
+    """Every antenna drops, but an offload's frames show only its own: before the next plan is chosen the idle
+    antenna is probed (`Device.measure_antenna`), so no plan moves to it on its stale setup rate."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10}, [12.5e6, 12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    probed: list[int] = []
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates,
+                             measure_antenna=lambda m: probed.append(m) or 1.25e6)
+    plan = offload_plan_on("s0", 0)
+    adapt = Adaptation(device, lambda down, r: [plan], seconds=lambda p, r: 1.0)
+    for _ in range(12):
+        adapt.observe(plan, _offload_frame(0.015, 0.05))
+    assert adapt.candidate(plan, set(), "no change yet") is None and probed == []  # nothing changed: no probe
+    changes = []
+    for _ in range(4):
+        changes += adapt.observe(plan, _offload_frame(0.123, 0.13))
+    assert [c.key for c in changes] == ["antenna 0"]
+    assert adapt.candidate(plan, set(), changes[0].describe()) is None
+    assert probed == [1]
+    assert adapt.rates().antenna_bytes_per_second[1] == pytest.approx(1.25e6)

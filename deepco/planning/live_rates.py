@@ -154,6 +154,15 @@ class LiveRates:
         for detector in self._detectors.values():
             detector.clear()
 
+    def measured(self, key: str, factor: float) -> None:
+        """``key`` was measured apart from the frames (a probe): it is ``factor`` times slower than setup measured;
+        its stream starts again from there."""
+        if not factor > 0 or not math.isfinite(factor):
+            return
+        self.factors[key] = self._before[key] = factor
+        if key in self._detectors:
+            self._detectors[key].clear()
+
     def factor(self, key: str) -> float:
         """How many times slower than setup measured ``key`` is now."""
         return self.factors.get(key, 1.0)
