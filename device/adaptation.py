@@ -4,7 +4,9 @@ losing a frame.
 - **Measuring.** Each frame's timing (device/records.py: the servers' own `StepTimes` and the device's
   send times) becomes one sample per rate: a server's compute, an antenna's transfer (not when paced: pacing
   makes it exact), the device's own compute (local, or the tail on the device), each as seconds taken over
-  seconds setup's rate gives. `deepco.planning.live_rates.LiveRates` watches them for change points.
+  seconds setup's rate gives (an antenna's: over its bytes' seconds alone; the request's fixed cost stays in
+  the time taken, and the estimator moves that stream by differences, so that it cancels).
+  `deepco.planning.live_rates.LiveRates` watches them for change points.
 - **Re-planning.** On a change point (or a server back from down), ``propose(down, rates)`` makes the plan
   the cost model prefers on the current rates (auto: the staged planner's best; a paper plan: the same
   algorithm). A candidate predicted faster than the running plan by more than ``margin`` is a `Trial`:
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepco_device.records import FrameTiming
 
+from deepco.errors import UserError
 from deepco.planning.live_rates import Change, LiveRates, work_of
 from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, same_plan
 
@@ -112,6 +115,7 @@ class Adaptation:
         self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
+        self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
 
     def rates(self) -> Rates:
         """The current rates: setup's (with calibration's fit) moved by every change point seen."""
@@ -119,7 +123,25 @@ class Adaptation:
 
     def observe(self, plan: StagedPlan, timing: FrameTiming) -> list[Change]:
         """Feed a frame of the running ``plan``; the change points it completes."""
-        return self.live.observe(self.samples(plan, timing))
+        changes = self.live.observe(self.samples(plan, timing))
+        if any(c.key.startswith("antenna ") for c in changes):
+            self._unseen_stale = True  # the radio changed: the antennas the plan leaves idle may have too
+        return changes
+
+    def probe_unseen(self, running: StagedPlan) -> None:
+        """After an antenna's change point: the antennas ``running`` does not use show nothing in its frames (a
+        plan planned on their setup rates would trust stale numbers), so each is probed as setup probes it
+        (`Device.measure_antenna`; idle, so the live frames do not share it) and its rate set from that."""
+        if not self._unseen_stale or self.paced:
+            return
+        self._unseen_stale = False
+        base = self.device.rates().antenna_bytes_per_second
+        for m in sorted(set(range(len(base))) - set(running.antennas)):
+            try:
+                now = self.device.measure_antenna(m)
+            except UserError:  # its server busy or gone: planned on what is known
+                continue
+            self.live.measured(f"antenna {m}", base[m] / now)
 
     def samples(self, plan: StagedPlan, timing: FrameTiming) -> dict[str, float]:
         """One frame's slowness samples (seconds taken / seconds at setup's rates), by rate."""
@@ -140,12 +162,14 @@ class Adaptation:
             rate = base.server_flops_per_second.get(step.name)
             if rate and w.flops / rate > MIN_SAMPLE_SECONDS and step.compute > 0:
                 out[f"server {step.name}"] = step.compute / (w.flops / rate)
-            transfer = step.received - step.send_start - step.times.input
+            # until the server step began (its input there): not until its `received` event reached the device,
+            # which a server whose CPU share is taken by computing sends late (tens of ms of noise at 100 Mbit/s)
+            transfer = step.origin - step.send_start
             sending = w.sent_bytes / base.antenna_bytes_per_second[step.antenna]
             if not self.paced and transfer > 0 and sending > MIN_SAMPLE_SECONDS:
                 m = step.antenna
                 taken[m] = taken.get(m, 0.0) + transfer
-                given[m] = given.get(m, 0.0) + sending + base.request_overhead
+                given[m] = given.get(m, 0.0) + sending  # the bytes alone: the fixed part cancels (live_rates)
         for m, seconds in taken.items():
             out[f"antenna {m}"] = seconds / given[m]
         return out
@@ -158,6 +182,7 @@ class Adaptation:
         is predicted better comes first, without a search (a weak camera takes seconds to search while frames
         run slow): its trial's ``cause`` asks for the search after it."""
         margin = self.margin if margin is None else margin
+        self.probe_unseen(running)
         rates = self.rates()
         now = self.seconds(running, rates)
         if quick and margin >= 0:

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # `deepco run`'s flags import this module; keep the CLI's sta
 GIVE_UP_AFTER = 60.0  # seconds with frames in flight and none succeeding (above every server deadline)
 MAX_FAILED_FRAMES = 10  # failed frames in a row
 TICK = 0.25  # how often a waiting runtime looks at the clock (seconds)
+# a gap this long between two looks at the clock (a waiting runtime looks every TICK) is time the device itself
+# did not run (suspended, or its cgroup frozen): no server kept it waiting then, so it does not count
+STALLED = 10.0
 
 
 class GaveUp(UserError):
@@ -37,6 +40,7 @@ class GiveUp:
         self.failed_in_a_row = 0
         self.last_error: str | None = None
         self._since = time.monotonic()
+        self._looked: float | None = None  # the last `check`
 
     def seen(self, result: FrameResult) -> None:
         """Count a frame's result (in order), then raise GaveUp if it was one failure too many."""
@@ -52,8 +56,12 @@ class GiveUp:
 
     def check(self, in_flight: bool, waiting_for: str = "") -> None:
         """Raise GaveUp if frames have been in flight for ``seconds`` with none succeeding (``waiting_for``:
-        what they wait on, for the message). With nothing in flight the clock does not run."""
+        what they wait on, for the message). With nothing in flight the clock does not run, nor while the device
+        did not run itself (a gap of STALLED since the last look)."""
         now = time.monotonic()
+        if self._looked is not None and now - self._looked > STALLED:
+            self._since += now - self._looked
+        self._looked = now
         if not in_flight:
             self._since = now
             return

@@ -227,6 +227,13 @@ class Uploads:
                     self._wholes.pop(whole_key, None)
         return False
 
+    def reload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
+        """Load ``model_bytes`` again on ``client``'s server, which lost them while this device held them (its
+        lease ran out, e.g. while the device was suspended): their users stay as they were. The name."""
+        name = self.name_of(model_bytes, base)
+        self._send(client, model_bytes, name, len(model_bytes))
+        return name
+
     def drop(self, held: list[tuple[str, str]]) -> list[str]:
         """One user fewer of each (address, name) in ``held`` (a runner's `upload` results); unload the models
         nobody uses any more. Returns one line per model that could not be unloaded."""

@@ -24,7 +24,7 @@ from deepco_device.records import Measurements
 from onnx import helper, numpy_helper
 
 from deepco.partition import Cut, Partitioner
-from deepco.wire.client import ServerError
+from deepco.wire.client import InferenceClient, ServerError
 
 PROBE_BYTES = 1 << 20  # the link probe's largest payload (a fast link: its transfer is long beside the jitter)
 LINK_PROBE_START = 32 << 10  # its first: on a slow radio (8 Mbit/s: 33 ms) it is the only one
@@ -151,15 +151,21 @@ def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, server: in
         return [a.bandwidth * 1e6 / 8 for a in antennas], overhead
     bandwidths, overheads = [], []
     for m in range(len(antennas)):
-        c = channels.client(server, m)
-        small = median_seconds(lambda c=c: c.echo(1), runs=5)
-        nbytes: int | None = LINK_PROBE_START
-        while nbytes is not None:
-            size, transfer = nbytes, median_seconds(lambda c=c, n=nbytes: c.echo(n), runs=3) - small
-            nbytes = next_link_probe(size, transfer)
-        bandwidths.append(size / max(transfer - marshal * size, 0.5 * transfer, 1e-6))
+        bandwidth, small = probe_link(channels.client(server, m), marshal)
+        bandwidths.append(bandwidth)
         overheads.append(small)
     return bandwidths, statistics.median(overheads)
+
+
+def probe_link(client: InferenceClient, marshal: float = 0.0) -> tuple[float, float]:
+    """The bandwidth (bytes/s) of the antenna ``client`` talks over, and its 1-byte round trip (s): Echo payloads
+    grown until one takes LINK_PROBE_SECONDS (`next_link_probe`), less the device's marshalling (``marshal``)."""
+    small = median_seconds(lambda: client.echo(1), runs=5)
+    nbytes: int | None = LINK_PROBE_START
+    while nbytes is not None:
+        size, transfer = nbytes, median_seconds(lambda n=nbytes: client.echo(n), runs=3) - small
+        nbytes = next_link_probe(size, transfer)
+    return size / max(transfer - marshal * size, 0.5 * transfer, 1e-6), small
 
 
 def next_link_probe(nbytes: int, transfer: float) -> int | None:

@@ -40,6 +40,7 @@ from deepco_device.measuring import device_session as _session
 from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult, FrameTiming, ServerStep, StepTimes
 
+from deepco.errors import UserError
 from deepco.partition.derive import Dims
 from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
@@ -60,6 +61,9 @@ def paced(began: float, nbytes: int, bytes_per_second: float) -> None:
     pause = began + nbytes / bytes_per_second - time.perf_counter()
     if pause > 0:
         time.sleep(pause)
+
+
+EVICTED_RETRIES = 2  # a frame whose models were gone from a server is run again after reloading them, this often
 
 
 class _InFlight:
@@ -123,6 +127,8 @@ class StagedRunner:
         self.predicted = plan.predicted
         self._inflight = _InFlight()  # shared with the runners run_frames replans to
         self.held: list[tuple[str, str]] = []  # (address, model) this runner uploaded: `close` gives them back
+        self.loads: list[tuple[Any, str, bytes]] = []  # (client, name, bytes) of each: loaded again if evicted
+        self._reloading = threading.Lock()  # one reload at a time (frames in flight may all find models gone)
         try:
             self._prepare()
         except BaseException:
@@ -131,7 +137,7 @@ class StagedRunner:
 
     def close(self) -> None:
         """Give back the models this runner uploaded: those no other runner of the device uses are unloaded."""
-        held, self.held = self.held, []
+        held, self.held, self.loads = self.held, [], []
         for problem in self.device.uploads.drop(held):
             self.log(f"warning: {problem}")
 
@@ -141,7 +147,34 @@ class StagedRunner:
         client = self.device.client(self.index[server], 0)
         name = self.device.uploads.upload(client, data, self.device.tag, source)
         self.held.append((client.address, name))
+        self.loads.append((client, name, data))
         return name
+
+    def _models(self) -> list[tuple[Any, str, bytes]]:
+        """(client, name, bytes) of every model this runner's frames need on a server."""
+        return list(self.loads)
+
+    def reload_evicted(self) -> bool:
+        """Load again every model of this runner that its server no longer holds (a server unloads a model no
+        one used for its ``--model-lease``: a device suspended, or frozen, for that long finds them gone). Whether
+        every model is on its server now (then a frame that failed with NOT_FOUND is run again, not lost, and
+        the server is not taken for down); one line per server that had lost some."""
+        with self._reloading:
+            by_client: dict[Any, list[tuple[str, bytes]]] = {}
+            for client, name, data in self._models():
+                by_client.setdefault(client, []).append((name, data))
+            try:
+                for client, models in by_client.items():
+                    loaded = set(client.loaded_models())
+                    gone = [(name, data) for name, data in models if name not in loaded]
+                    for _, data in gone:
+                        self.device.uploads.reload(client, data, self.device.tag)
+                    if gone:
+                        self.log(f"server {client.address} had lost {len(gone)} model(s) of the plan (its lease ran "
+                                 "out?): loaded again, the frame runs again")
+            except UserError:  # the server does not answer, or has no room now: a failure, as before
+                return False
+        return True
 
     def _prepare(self) -> None:
         raise NotImplementedError
@@ -156,13 +189,19 @@ class StagedRunner:
     def run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         """One frame (1xCxHxW uint8 pixels): (every output of the model by name, its timing). Raises ServerError
         naming the server that failed. A busy server (RESOURCE_EXHAUSTED: back-pressure, e.g. while other frames' jobs
-        hold its threads) is waited for with backoff, up to the runner's timeout."""
-        try:
-            return while_busy(lambda: self._run_frame(x), self.timeout, stop=self._inflight.stopped)
-        except ServerError:
-            if self._inflight.stopped.is_set():
-                raise RunStopped("the run stopped") from None
-            raise
+        hold its threads) is waited for with backoff, up to the runner's timeout. A model gone from its server
+        (NOT_FOUND: evicted when its lease ran out) is loaded again and the frame run again (`reload_evicted`)."""
+        reloads = 0
+        while True:
+            try:
+                return while_busy(lambda: self._run_frame(x), self.timeout, stop=self._inflight.stopped)
+            except ServerError as exc:
+                if self._inflight.stopped.is_set():
+                    raise RunStopped("the run stopped") from None
+                # a model gone from a server that answers: load it again rather than take the server for down
+                if exc.code != grpc.StatusCode.NOT_FOUND or reloads >= EVICTED_RETRIES or not self.reload_evicted():
+                    raise
+                reloads += 1
 
     def _run_frame(self, x: np.ndarray) -> tuple[np.ndarray, FrameTiming]:
         raise NotImplementedError
@@ -278,6 +317,9 @@ class RoundRobinRunner(StagedRunner):
         self._turn_lock = threading.Lock()
 
     extracted = OffloadRunner.extracted
+
+    def _models(self) -> list[tuple[Any, str, bytes]]:
+        return [m for turn in self.turns for m in turn._models()]
 
     def close(self) -> None:
         """Give back every turn's models."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from deepco_device.measuring import device_session, measure, server_rates
+from deepco_device.measuring import device_session, measure, probe_link, server_rates
 from deepco_device.parts import Links, Measured, ModelArtefacts
 from deepco_device.preprocess import Preprocessing, preprocessing_for
 from deepco_device.records import Measurements
@@ -168,6 +168,14 @@ class Device:
                          + f"; starting on {', '.join(n for n in names if n not in self._reached)}; "
                          "they join when they answer")
         return self._reached
+
+    def measure_antenna(self, antenna: int) -> float:
+        """Antenna ``antenna``'s bandwidth now (bytes/s), probed as setup probes it, over the first server up: live
+        adaptation asks for the antennas its running plan does not use, whose rates its frames cannot show."""
+        up = next((k for k, s in enumerate(self.cluster.servers) if s.name not in self.down), None)
+        if up is None:
+            raise UserError("no server is up to probe an antenna through")
+        return probe_link(self.client(up, antenna), self.measured.device_seconds_per_byte)[0]
 
     def measure_server(self, name: str) -> None:
         """Measure a server that was down at the start and now answers (its probe rate, as setup measured the

@@ -255,3 +255,64 @@ def test_a_plan_already_on_the_servers_is_tried_at_once_without_a_search_and_the
     searched.clear()
     after = adapt.candidate(fast, set(), trial.cause, quick=False)
     assert searched == [set()] and (after is None or after.cause == "")
+
+
+def _offload_frame(origin: float, received: float, compute: float = 0.120):
+    """An offloaded frame's timing: its server step began ``origin`` s after the frame (its input there), its
+    `received` event reached the device at ``received``."""
+    from deepco_device.records import FrameTiming, ServerStep, StepTimes
+
+    times = StepTimes(input=0.0002, compute=compute, wall=compute + 0.001)
+    step = ServerStep("s0", 0, (0, 224), (0, 0), received=received, finish=origin + compute + 0.003, times=times,
+                      origin=origin)
+    return FrameTiming(latency=step.finish, sent=received, compute=compute, server="s0", servers=(step,))
+
+
+def test_an_antennas_rate_is_read_from_when_the_server_began_not_from_its_late_received_event():
+    """Seen on the testbed: a server computing under its CPU share sends its `received` event 25-110 ms late
+    while 150 kB take 12 ms at 100 Mbit/s, so a transfer read from that event hides a tenfold drop in noise.
+    Read from when the server step began (ServerStep.origin), the drop reads as about tenfold."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)  # 100 Mbit/s: 150528 bytes in 12 ms
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates)
+    adapt = Adaptation(device, lambda down, r: [])
+    plan = offload_plan_on("s0", 0)
+    rng = np.random.default_rng(3)
+    changes = []
+    for _ in range(12):  # before: the input is there after ~15 ms (12 ms of bytes, a fixed part), the event late
+        changes += adapt.observe(plan, _offload_frame(0.015 + 0.001 * rng.random(), 0.025 + 0.085 * rng.random()))
+    assert changes == []
+    for _ in range(4):  # every antenna to a tenth: 120 ms of bytes
+        changes += adapt.observe(plan, _offload_frame(0.123 + 0.001 * rng.random(), 0.125 + 0.01 * rng.random()))
+    assert [c.key for c in changes] == ["antenna 0"]
+    assert adapt.rates().antenna_bytes_per_second[0] == pytest.approx(12.5e6 / 10, rel=0.2)
+
+
+def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_before_planning():
+    """Every antenna drops, but an offload's frames show only its own: before the next plan is chosen the idle
+    antenna is probed (`Device.measure_antenna`), so no plan moves to it on its stale setup rate."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10}, [12.5e6, 12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    probed: list[int] = []
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates,
+                             measure_antenna=lambda m: probed.append(m) or 1.25e6)
+    plan = offload_plan_on("s0", 0)
+    adapt = Adaptation(device, lambda down, r: [plan], seconds=lambda p, r: 1.0)
+    for _ in range(12):
+        adapt.observe(plan, _offload_frame(0.015, 0.05))
+    assert adapt.candidate(plan, set(), "no change yet") is None and probed == []  # nothing changed: no probe
+    changes = []
+    for _ in range(4):
+        changes += adapt.observe(plan, _offload_frame(0.123, 0.13))
+    assert [c.key for c in changes] == ["antenna 0"]
+    assert adapt.candidate(plan, set(), changes[0].describe()) is None
+    assert probed == [1]
+    assert adapt.rates().antenna_bytes_per_second[1] == pytest.approx(1.25e6)

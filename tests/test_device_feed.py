@@ -216,3 +216,23 @@ def test_fewer_frames_in_flight_when_the_slo_watch_says_so():
     feed = IterFeed([frame(k) for k in range(4)])
     list(run_frames(fake_health(FakeRunner(on_frame)), feed, 3, GiveUp(), inflight, in_flight=lambda: 3))
     assert overlapped == [False, True]
+
+
+def test_give_up_does_not_count_time_the_device_itself_was_frozen(monkeypatch):
+    """A device frozen (suspended, its cgroup frozen) for minutes with a frame in flight must not give up on
+    waking: its servers did not keep it waiting. Time it waited while running still counts."""
+    import deepco_device.giveup as giveup
+
+    clock = [1000.0]
+    monkeypatch.setattr(giveup.time, "monotonic", lambda: clock[0])
+    give_up = GiveUp(seconds=60)
+    give_up.check(True)
+    clock[0] += 600  # frozen: no look at the clock for ten minutes
+    give_up.check(True)
+    for _ in range(200):  # then 50 s of waiting, looked at every TICK: under the bound
+        clock[0] += giveup.TICK
+        give_up.check(True)
+    with pytest.raises(giveup.GaveUp, match="no frame succeeded for 60 s"):
+        for _ in range(80):  # 20 s more: over it
+            clock[0] += giveup.TICK
+            give_up.check(True)

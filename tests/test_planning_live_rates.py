@@ -74,3 +74,22 @@ def test_live_rates_rescale_only_the_rate_that_changed_and_keep_it_across_a_rest
     for sample in noisy(2.0, 10, 7):
         assert live.observe({"server s0": sample}) == []
     assert live.rates(base).server_flops_per_second["s0"] == pytest.approx(4e9 / 3, rel=0.15)
+
+
+@pytest.mark.parametrize(("before", "after"), [(1.0, 10.0), (1.0, 0.1)])
+def test_a_links_fixed_cost_does_not_dilute_a_bandwidth_change(before, after):
+    """An antenna's sample is its transfer over the bytes' time at setup's bandwidth: a fixed part (round trip,
+    marshalling) as long as the bytes' time sits in every sample. A tenfold drop (or rise) still reads as
+    tenfold, not as (1 + 10) / (1 + 1) = 5.5 (a rise: within the noise of a difference, which on a fixed part ten
+    times the bytes' new time is a third of it)"""
+    fixed = 1.0
+    live = LiveRates()
+    base = Rates({"s0": 4e9}, [1e6], 0.001, 1e9, 1e7, 0.001)
+    for sample in noisy(fixed + before, 10, 20):
+        assert live.observe({"antenna 0": sample}) == []
+    changes = []
+    for sample in noisy(fixed + after, 4, 21):
+        changes += live.observe({"antenna 0": sample})
+    assert [c.key for c in changes] == ["antenna 0"]
+    assert changes[0].factor == pytest.approx(after / before, rel=0.35)
+    assert live.rates(base).antenna_bytes_per_second[0] == pytest.approx(1e6 * before / after, rel=0.35)

@@ -15,6 +15,14 @@ two-window median test:
   the new reference, and the rate is rescaled by the recent median over the first reference median of the
   plan (one origin: small errors cannot add up).
 
+A transfer's time has a part that no bandwidth change moves: the request's round trip, the device's CPU to
+marshal the bytes, the events' way back. Its size is not known per plan (it is measured once, at setup, on
+one byte), and in a ratio of medians it dilutes the change: a tenfold drop of a link whose fixed part is as
+long as its bytes' time reads as 5.5x. So the streams named in ``ADDITIVE`` (``antenna m``: samples are
+seconds taken over the seconds setup's bandwidth gives the *bytes alone*, i.e. fixed + slowness) move by the
+*difference* of medians instead: the fixed part is the same on both sides of the change and cancels there,
+as a plan's bias cancels in the ratio of a compute stream.
+
 A single outlier never makes every recent sample agree, and a real step has after ``window`` samples of the
 new level: a change is seen at its ``window``-th sample, while a long moving average would take tens of frames
 to move that far. The bias of a plan cancels in the ratio of two medians of the same plan, which is why
@@ -35,6 +43,9 @@ WINDOW = 3  # recent samples tested against the reference
 HISTORY = 15  # reference samples kept
 THRESHOLD = 0.35  # every recent sample 35% beyond the reference's range, the same way, is a change point
 REFERENCE = 5  # reference samples needed before a test
+ADDITIVE = ("antenna ",)  # streams with a fixed part in every sample: their level moves by differences (module doc)
+LEAST_STEP = 1 / 16  # an additive level never falls below this share of the last one in one change (noise on a
+# fixed part larger than the bytes' time could make a difference of medians say "faster than infinitely fast")
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class ChangeDetector:
         self.samples: list[float] = []  # since the last change point (the reference, then the recent window)
         self.origin: float | None = None  # the first reference median since `clear`: the level 1 is measured from
         self.level = 1.0  # the current level against ``origin`` (moved at each change point)
+        self.median: float | None = None  # the recent median at the last change point (linear)
 
     def add(self, sample: float) -> float | None:
         """Feed one sample (> 0); the ratio of the new median to the old one when this sample completes a change
@@ -80,6 +92,8 @@ class ChangeDetector:
         recent, reference = statistics.median(logs[-k:]), statistics.median(logs[:-k])
         self.samples = self.samples[-k:]
         self.level = math.exp(recent) / (self.origin or math.exp(reference))
+        self.origin = self.origin or math.exp(reference)
+        self.median = math.exp(recent)
         return math.exp(recent - reference)
 
     def _changed(self, logs: list[float]) -> int | None:
@@ -103,7 +117,7 @@ class ChangeDetector:
     def clear(self) -> None:
         """Forget the samples and the origin (a new plan: its own bias); the level starts again at 1."""
         self.samples.clear()
-        self.origin, self.level = None, 1.0
+        self.origin, self.level, self.median = None, 1.0, None
 
 
 class LiveRates:
@@ -122,9 +136,15 @@ class LiveRates:
         for key, sample in samples.items():
             detector = self._detectors.setdefault(key, ChangeDetector(self.window, self.history, self.threshold))
             factor = detector.add(sample)
-            if factor is not None:
-                self.factors[key] = self._before.get(key, 1.0) * detector.level
-                changes.append(Change(key, factor))
+            if factor is None:
+                continue
+            before, was = self._before.get(key, 1.0), self.factor(key)
+            if key.startswith(ADDITIVE):  # fixed part + slowness: the difference of medians is the slowness's
+                self.factors[key] = max(before + detector.median - detector.origin, was * LEAST_STEP)
+                factor = self.factors[key] / was
+            else:
+                self.factors[key] = before * detector.level
+            changes.append(Change(key, factor))
         return changes
 
     def restart(self) -> None:
@@ -133,6 +153,15 @@ class LiveRates:
         self._before = dict(self.factors)
         for detector in self._detectors.values():
             detector.clear()
+
+    def measured(self, key: str, factor: float) -> None:
+        """``key`` was measured apart from the frames (a probe): it is ``factor`` times slower than setup measured;
+        its stream starts again from there."""
+        if not factor > 0 or not math.isfinite(factor):
+            return
+        self.factors[key] = self._before[key] = factor
+        if key in self._detectors:
+            self._detectors[key].clear()
 
     def factor(self, key: str) -> float:
         """How many times slower than setup measured ``key`` is now."""
