@@ -259,6 +259,12 @@ class Uploads:
             self._derivers.pop(address, None)
             self._direct.pop(address, None)
 
+    def names(self) -> set[str]:
+        """The names of the models this device holds loaded on servers (whole models held for derivation
+        aside)."""
+        with self._lock:
+            return {name for _, name in self._held}
+
     def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references
         stay; returns one line per model that could not be unloaded (its server's lease will). Servers at the

@@ -243,6 +243,9 @@ def worker(spec_path: str) -> int:
             (p for p in planner.plans() if p.kind == "split"), None)
         results: dict = {"plans": {}, "best_split": split.to_dict() if split else None,
                          "rates": dev.measured.to_dict(), "servers": planner.servers()}
+        # each plan runs on its own: calibration's hold on auto's models goes first, so that a plan that fills a
+        # server's model slots (auto's may) leaves room for offload's (the whole models stay: nothing re-sent)
+        dev.uploads.release(dev.uploads.names())
         outputs = {}
         for name, plan in plans.items():
             log(f"{name}: {plan.describe()}")
@@ -259,6 +262,7 @@ def worker(spec_path: str) -> int:
                 outputs[f"{name}.{k}"] = np.concatenate([o[k] for o in outs])
             results["plans"][name] = {"plan": plan.to_dict(), "describe": plan.describe(), "latencies": latencies,
                                       "seconds": elapsed}
+            runner.close()
     np.savez(spec["outputs"], pixels=np.concatenate(frames), **outputs)
     Path(spec["results"]).write_text(json.dumps(results))
     return 0
