@@ -80,8 +80,8 @@ def test_a_wait_for_a_busy_server_ends_when_the_run_stops_and_never_retries_a_wr
         raise ServerError("s:1", grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy")
 
     stop = threading.Event()
+    started = time.monotonic()  # before the timer starts: it sets ``stop`` 0.3 s after its own start
     threading.Timer(0.3, stop.set).start()
-    started = time.monotonic()
     with pytest.raises(ServerError, match="RESOURCE_EXHAUSTED"):
         while_busy(refused, patience=30.0, stop=stop)
     assert 0.3 <= time.monotonic() - started < 2.0 and len(calls) >= 3
