@@ -42,8 +42,8 @@ def device_session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
-def median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
-    """Median wall time of ``runs`` calls of ``fn``. A call a busy server refuses is retried
+def wall_times(fn: Callable[[], object], runs: int = 3) -> list[float]:
+    """The wall time of each of ``runs`` calls of ``fn``. A call a busy server refuses is retried
     (`while_busy`), and only the call that succeeded is timed."""
 
     def timed() -> float:
@@ -51,7 +51,12 @@ def median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
         fn()
         return time.perf_counter() - start
 
-    return statistics.median(while_busy(timed) for _ in range(runs))
+    return [while_busy(timed) for _ in range(runs)]
+
+
+def median_seconds(fn: Callable[[], object], runs: int = 3) -> float:
+    """Median wall time of ``runs`` calls of ``fn`` (`wall_times`)."""
+    return statistics.median(wall_times(fn, runs))
 
 
 SUSTAINED_SECONDS = 0.3  # a timed probe's calls, back to back: many periods of any CPU quota (10-100 ms)
@@ -160,10 +165,13 @@ def probe_links(channels: Channels, pace: bool, marshal: float = 0.0, server: in
 def probe_link(client: InferenceClient, marshal: float = 0.0) -> tuple[float, float]:
     """The bandwidth (bytes/s) of the antenna ``client`` talks over, and its 1-byte round trip (s): Echo payloads
     grown until one takes LINK_PROBE_SECONDS (`next_link_probe`), less the device's marshalling (``marshal``)."""
-    small = median_seconds(lambda: client.echo(1), runs=5)
+    smalls = wall_times(lambda: client.echo(1), runs=5)
+    # The transfer is the large echo's time less the least small one: a loaded machine that slowed the small
+    # echoes more than the large ones made a median difference credit the link with its time (1.22x the radio)
+    small, floor = statistics.median(smalls), min(smalls)
     nbytes: int | None = LINK_PROBE_START
     while nbytes is not None:
-        size, transfer = nbytes, median_seconds(lambda n=nbytes: client.echo(n), runs=3) - small
+        size, transfer = nbytes, median_seconds(lambda n=nbytes: client.echo(n), runs=3) - floor
         nbytes = next_link_probe(size, transfer)
     return size / max(transfer - marshal * size, 0.5 * transfer, 1e-6), small
 
