@@ -126,7 +126,7 @@ class StagedRunner:
         self.index = {s.name: k for k, s in enumerate(device.cluster.servers)}
         self.predicted = plan.predicted
         self._inflight = _InFlight()  # shared with the runners run_frames replans to
-        self.held: list[tuple[str, str]] = []  # (address, model) this runner uploaded: `close` gives them back
+        self.held: list[tuple[str, str]] = []  # (server, model) this runner uploaded: `close` gives them back
         self.loads: list[tuple[Any, str, bytes]] = []  # (client, name, bytes) of each: loaded again if evicted
         self._reloading = threading.Lock()  # one reload at a time (frames in flight may all find models gone)
         try:
@@ -145,8 +145,8 @@ class StagedRunner:
         """Load (content-addressed, reference-counted, derived by the server from ``source`` where it can: see
         device.lifecycle) and remember for `close`."""
         client = self.device.client(self.index[server], 0)
-        name = self.device.uploads.upload(client, data, self.device.tag, source)
-        self.held.append((client.address, name))
+        name = self.device.uploads.upload(server, client, data, self.device.tag, source)
+        self.held.append((server, name))
         self.loads.append((client, name, data))
         return name
 
@@ -643,9 +643,7 @@ def warm(device: Device, plan: StagedPlan) -> bool:
     needed = RUNNERS[plan.kind].extracted(device, plan)
     if needed is None:
         return False
-    index = {s.name: k for k, s in enumerate(device.cluster.servers)}
-    return all(device.uploads.holds(device.client(index[server], 0).address, data, device.tag)
-               for server, data in needed)
+    return all(device.uploads.holds(server, data, device.tag) for server, data in needed)
 
 
 def _whole_bytes(device: Device) -> bytes:
