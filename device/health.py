@@ -136,7 +136,7 @@ class Health:
             with self.lock:
                 self.down.difference_update(back)
             for name in back:
-                self.device.uploads.forget(self.device.pool.client(name, 0).address)
+                self.device.uploads.forget(name)
             if self.adapt is None:
                 try:
                     new = self._rebuild()

@@ -95,17 +95,22 @@ def load_with_room(client: InferenceClient, model_bytes: bytes, name: str, sha25
 
 class Uploads:
     """Models this device loaded on servers, with how many runners use each; unloaded when the last user drops
-    them (`drop`) or on :meth:`release`."""
+    them (`drop`) or on :meth:`release`.
+
+    Kept by server (the cluster's name for it), not by address: a device reaches a server at one address per
+    antenna (deepco.cluster.Cluster.address_on) and loads a server's models over the antenna its frames take, so
+    a model that crossed one antenna is held for a runner that reaches the server over another, and a server's
+    models are forgotten, or left alone while it is down, whichever antennas they crossed."""
 
     def __init__(self) -> None:
-        self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (address, name) -> (client, users)
+        self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (server, name) -> (client, users)
         # id(bytes) -> (those bytes, their content name): a weak camera hashes a 45 MB model in about a second,
         # which a switch to a plan whose models are already held must not cost (the bytes are kept, so no id is
         # reused while its entry lives)
         self._names: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, SHA-256 hex digest)
-        self._wholes: dict[tuple[str, str], InferenceClient] = {}  # (address, name) -> client: whole models held
-        self._derivers: dict[str, bool] = {}  # address -> whether its server derives stage models
-        self._direct: dict[str, int] = {}  # address -> bytes of stage models uploaded there instead of derived
+        self._wholes: dict[tuple[str, str], InferenceClient] = {}  # (server, name) -> client: whole models held
+        self._derivers: dict[str, bool] = {}  # server -> whether it derives stage models
+        self._direct: dict[str, int] = {}  # server -> bytes of stage models uploaded there instead of derived
         self._sent = 0  # bytes sent in model loads (`sent_bytes`)
         self._lock = threading.Lock()
 
@@ -124,28 +129,31 @@ class Uploads:
         """The content-addressed name ``model_bytes`` are uploaded under (as `content_name`, hashed once)."""
         return content_name_of(base, self.digest(model_bytes))
 
-    def holds(self, address: str, model_bytes: bytes, base: str) -> bool:
-        """Whether this device holds ``model_bytes`` loaded on the server at ``address`` (a runner that needs
-        them there uploads nothing)."""
+    def holds(self, server: str, model_bytes: bytes, base: str) -> bool:
+        """Whether this device holds ``model_bytes`` loaded on ``server`` (a runner that needs them there uploads
+        nothing)."""
         name = self.name_of(model_bytes, base)
         with self._lock:
-            return (address, name) in self._held
+            return (server, name) in self._held
 
-    def upload(self, client: InferenceClient, model_bytes: bytes, base: str, source: StageSource | None = None) -> str:
-        """Load ``model_bytes`` on ``client``'s server under a content-addressed name from ``base``; the name.
+    def upload(self, server: str, client: InferenceClient, model_bytes: bytes, base: str,
+               source: StageSource | None = None) -> str:
+        """Load ``model_bytes`` on ``server`` through ``client`` (one of its antennas' channels) under a
+        content-addressed name from ``base``; the name.
         Each call is one more user of the model (`drop` gives it back). A model this device already holds
         there is not loaded again (a replan then costs no call to a server that may be frozen); after `forget`
         it is. With a ``source``, a server that derives stage models makes it itself from the whole model
         (sent there once, when that pays: `_derive`) and the stage's description, else the bytes are uploaded.
         A server without room for it raises `NoRoom` at once; a busy one is waited for."""
         name = self.name_of(model_bytes, base)
-        key = (client.address, name)
+        key = (server, name)
         with self._lock:
             if key in self._held:
-                self._held[key] = (client, self._held[key][1] + 1)
+                self._held[key] = (self._held[key][0], self._held[key][1] + 1)
                 return name
 
-        if source is None or not self._derives(client) or not self._derive(client, model_bytes, name, base, source):
+        if source is None or not self._derives(server, client) or \
+                not self._derive(server, client, model_bytes, name, base, source):
             self._send(client, model_bytes, name, len(model_bytes))  # the server checks the digest
         with self._lock:
             users = self._held.get(key, (client, 0))[1]
@@ -172,20 +180,21 @@ class Uploads:
 
         load_with_room(client, model_bytes, name, call=counted)
 
-    def _derives(self, client: InferenceClient) -> bool:
-        """Whether ``client``'s server derives stage models (asked once per server, and again after `forget`)."""
+    def _derives(self, server: str, client: InferenceClient) -> bool:
+        """Whether ``server`` derives stage models (asked through ``client`` once, and again after `forget`)."""
         with self._lock:
-            known = self._derivers.get(client.address)
+            known = self._derivers.get(server)
         if known is None:
             known = DERIVES in while_busy(client.server_metadata)["extensions"]
             with self._lock:
-                self._derivers[client.address] = known
+                self._derivers[server] = known
         return known
 
-    def _derive(self, client: InferenceClient, model_bytes: bytes, name: str, base: str, source: StageSource) -> bool:
-        """Have ``client``'s server derive the stage ``source`` describes as ``name``, holding the whole model
-        there first if it does not yet; False where it cannot (no room for the whole model, or its stage
-        differs from ``model_bytes``), or where it does not pay yet: then the caller uploads the stage.
+    def _derive(self, server: str, client: InferenceClient, model_bytes: bytes, name: str, base: str,
+                source: StageSource) -> bool:
+        """Have ``server`` (through ``client``) derive the stage ``source`` describes as ``name``, holding the
+        whole model there first if it does not yet; False where it cannot (no room for the whole model, or its
+        stage differs from ``model_bytes``), or where it does not pay yet: then the caller uploads the stage.
 
         The whole model is sent to a server only once the stage models uploaded there would outweigh it (or
         for an offload, whose model it is): a cold setup that needs only a prefix of a ResNet's weights on a
@@ -193,11 +202,11 @@ class Uploads:
         more than twice the bytes the cheaper of the two ways would have sent it (a ski rental)."""
         whole = source.whole()
         whole_digest = self.digest(whole)
-        whole_key = (client.address, content_name_of(f"{base}-whole", whole_digest))
+        whole_key = (server, content_name_of(f"{base}-whole", whole_digest))
         with self._lock:
-            uploaded = self._direct.get(client.address, 0) + len(model_bytes)
+            uploaded = self._direct.get(server, 0) + len(model_bytes)
             if whole_key not in self._wholes and source.dims != Dims.WHOLE and uploaded <= len(whole):
-                self._direct[client.address] = uploaded
+                self._direct[server] = uploaded
                 return False
         description = source.description(whole_digest)
         digest = self.digest(model_bytes)
@@ -235,7 +244,7 @@ class Uploads:
         return name
 
     def drop(self, held: list[tuple[str, str]]) -> list[str]:
-        """One user fewer of each (address, name) in ``held`` (a runner's `upload` results); unload the models
+        """One user fewer of each (server, name) in ``held`` (a runner's `upload` results); unload the models
         nobody uses any more. Returns one line per model that could not be unloaded."""
         unused = []
         with self._lock:
@@ -247,17 +256,17 @@ class Uploads:
                     self._held[key] = (client, users - 1)
                 else:
                     del self._held[key]
-                    unused.append((client, key[1]))
+                    unused.append((key[0], client, key[1]))
         return _unload(unused, set())
 
-    def forget(self, address: str) -> None:
-        """The server at ``address`` lost its models (it restarted): upload them again when asked, and do not
-        unload them on release."""
+    def forget(self, server: str) -> None:
+        """``server`` lost its models (it restarted): upload them again when asked, and do not unload them on
+        release."""
         with self._lock:
-            self._held = {k: v for k, v in self._held.items() if k[0] != address}
-            self._wholes = {k: v for k, v in self._wholes.items() if k[0] != address}
-            self._derivers.pop(address, None)
-            self._direct.pop(address, None)
+            self._held = {k: v for k, v in self._held.items() if k[0] != server}
+            self._wholes = {k: v for k, v in self._wholes.items() if k[0] != server}
+            self._derivers.pop(server, None)
+            self._direct.pop(server, None)
 
     def names(self) -> set[str]:
         """The names of the models this device holds loaded on servers (whole models held for derivation
@@ -267,23 +276,24 @@ class Uploads:
 
     def release(self, names: set[str] | None = None, skip: set[str] = frozenset()) -> list[str]:
         """Unload what was uploaded (``names``: only those), each load once, so other devices' references
-        stay; returns one line per model that could not be unloaded (its server's lease will). Servers at the
-        addresses in ``skip`` (known down), and a server once it did not answer, are not asked."""
+        stay; returns one line per model that could not be unloaded (its server's lease will). The servers
+        named in ``skip`` (known down), and a server once it did not answer, are not asked."""
         with self._lock:
-            held = [(c, k[1]) for k, (c, _) in self._held.items() if names is None or k[1] in names]
+            held = [(k[0], c, k[1]) for k, (c, _) in self._held.items() if names is None or k[1] in names]
             self._held = {k: v for k, v in self._held.items() if names is not None and k[1] not in names}
             if names is None:  # the whole models held for derivation go with the last of their stages
-                held = [(c, k[1]) for k, c in self._wholes.items()] + held
+                held = [(k[0], c, k[1]) for k, c in self._wholes.items()] + held
                 self._wholes = {}
         return _unload(list(reversed(held)), set(skip))
 
 
-def _unload(held: list[tuple[InferenceClient, str]], silent: set[str]) -> list[str]:
-    """Unload each (client, name), skipping servers at the addresses in ``silent`` and any that stops answering
-    (a frozen server would cost a timeout per model); one line per model not unloaded."""
+def _unload(held: list[tuple[str, InferenceClient, str]], silent: set[str]) -> list[str]:
+    """Unload each (server, client, name), skipping the servers in ``silent`` and any that stops answering (a
+    frozen server would cost a timeout per model, whichever of its antennas' channels asks); one line per model
+    not unloaded."""
     problems = []
-    for client, name in held:
-        if client.address in silent:
+    for server, client, name in held:
+        if server in silent:
             problems.append(f"did not unload {name} from {client.address}: the server is down")
             continue
         try:
@@ -291,7 +301,7 @@ def _unload(held: list[tuple[InferenceClient, str]], silent: set[str]) -> list[s
         except (UserError, ValueError) as exc:  # gone, refused, or its channel closed: its lease will do
             problems.append(f"could not unload {name} from {client.address}: {exc}")
             if getattr(exc, "code", None) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                silent.add(client.address)
+                silent.add(server)
     return problems
 
 

@@ -79,9 +79,7 @@ class Links:
     def close(self, down: Iterable[str], log: Callable[[str], None]) -> None:
         """Unload what was uploaded (not from the servers in ``down``: a frozen one would stall it), then
         close every channel."""
-        index = {s.name: k for k, s in enumerate(self.cluster.servers)}
-        skip = {self.client(index[name], 0).address for name in down if name in index}
-        for problem in self.uploads.release(skip=skip):
+        for problem in self.uploads.release(skip=set(down)):
             log(f"warning: {problem}")
         self.pool.close()
 

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -126,7 +126,7 @@ class StagedRunner:
         self.index = {s.name: k for k, s in enumerate(device.cluster.servers)}
         self.predicted = plan.predicted
         self._inflight = _InFlight()  # shared with the runners run_frames replans to
-        self.held: list[tuple[str, str]] = []  # (address, model) this runner uploaded: `close` gives them back
+        self.held: list[tuple[str, str]] = []  # (server, model) this runner uploaded: `close` gives them back
         self.loads: list[tuple[Any, str, bytes]] = []  # (client, name, bytes) of each: loaded again if evicted
         self._reloading = threading.Lock()  # one reload at a time (frames in flight may all find models gone)
         try:
@@ -142,13 +142,52 @@ class StagedRunner:
             self.log(f"warning: {problem}")
 
     def _upload(self, server: str, data: bytes, source: StageSource | None = None) -> str:
-        """Load (content-addressed, reference-counted, derived by the server from ``source`` where it can: see
-        device.lifecycle) and remember for `close`."""
-        client = self.device.client(self.index[server], 0)
-        name = self.device.uploads.upload(client, data, self.device.tag, source)
-        self.held.append((client.address, name))
-        self.loads.append((client, name, data))
-        return name
+        """Load ``data`` on ``server`` (content-addressed, reference-counted, derived by the server from ``source``
+        where it can: see device.lifecycle) over the plan's antenna to it, and remember it for `close`."""
+        return self._upload_all([(server, data, source)])[0]
+
+    def _upload_all(self, loads: list[tuple[str, bytes, StageSource | None]]) -> list[str]:
+        """`_upload` each (server, bytes, source) of ``loads``; their names, in order. A server's models go one
+        after another over the antenna the plan sends that server's frames on, the servers' all at once: a slow
+        radio's set-up is then its share of the bytes on each antenna rather than all of them on the first (at
+        8 Mbit/s a ResNet-18 split's models took 107 s over one of two antennas). After a failure no server
+        starts another model (the runner is closed: it would only be unloaded again); the first failure is raised
+        once every server's uploads have ended, with what did load in `held` for `close`."""
+        by_server: dict[str, list[int]] = {}
+        for k, (server, _, _) in enumerate(loads):
+            by_server.setdefault(server, []).append(k)
+        # opened here, not on the threads: Channels.client is not for threads
+        clients = {server: self.device.client(self.index[server], self._antenna(server)) for server in by_server}
+        names = [""] * len(loads)
+        failed = threading.Event()
+
+        def upload(server: str) -> None:
+            for k in by_server[server]:
+                if failed.is_set():
+                    return
+                _, data, source = loads[k]
+                try:
+                    names[k] = self.device.uploads.upload(server, clients[server], data, self.device.tag, source)
+                except BaseException:
+                    failed.set()
+                    raise
+                self.held.append((server, names[k]))
+                self.loads.append((clients[server], names[k], data))
+
+        if len(by_server) <= 1:  # no thread for one server
+            for server in by_server:
+                upload(server)
+            return names
+        for future in _at_once([lambda server=server: upload(server) for server in by_server], failed):
+            future.result()
+        return names
+
+    def _antenna(self, server: str) -> int:
+        """The antenna the plan sends ``server``'s frames on (0 where it names none)."""
+        plan = self.plan
+        if server in plan.servers and len(plan.antennas) == len(plan.servers):
+            return plan.antennas[plan.servers.index(server)]
+        return 0
 
     def _models(self) -> list[tuple[Any, str, bytes]]:
         """(client, name, bytes) of every model this runner's frames need on a server."""
@@ -311,8 +350,15 @@ class RoundRobinRunner(StagedRunner):
 
     def _prepare(self) -> None:
         self.turns: list[OffloadRunner] = []
-        for s, m in zip(self.plan.servers, self.plan.antennas, strict=True):
-            self.turns.append(OffloadRunner(self.device, offload_plan_on(s, m), timeout=self.timeout, log=self.log))
+        plans = [offload_plan_on(s, m) for s, m in zip(self.plan.servers, self.plan.antennas, strict=True)]
+        for plan in plans:  # opened here, not on the threads: Channels.client is not for threads
+            self.device.client(self.index[plan.servers[0]], plan.antennas[0])
+        # each turn's whole model goes to its own server over its own antenna, all at once (as `_upload_all`)
+        made = _at_once([lambda plan=plan: OffloadRunner(self.device, plan, timeout=self.timeout, log=self.log)
+                         for plan in plans])
+        self.turns = [turn.result() for turn in made if turn.exception() is None]  # `close` gives them back
+        for turn in made:
+            turn.result()  # the first failure
         self._next = itertools.count()
         self._turn_lock = threading.Lock()
 
@@ -357,16 +403,21 @@ class SplitRunner(StagedRunner):
         parts = _stage_models(dev, tuple(plan.levels))
         data = parts["segments"]
         sources = [_source(dev, [a], [b], Dims.ROWS, name) for a, b, name in parts["sources"]]
-        self.segment_names = []
-        for server in plan.servers:
-            if server != DEVICE:
-                self.segment_names = [self._upload(server, d, src) for d, src in zip(data, sources, strict=True)]
+        loads = [(server, d, src) for server in plan.servers if server != DEVICE
+                 for d, src in zip(data, sources, strict=True)]
+        tail = parts["tail"]
+        if plan.tail is not None:
+            cut = p.cut(plan.levels[-1]).tensor
+            loads.append((plan.tail, parts["tail_bytes"],
+                          _source(dev, [cut], list(p.graph.outputs), Dims.STATIC, tail.graph.name)))
+        names = self._upload_all(loads)
+        self.segment_names = names[:len(data)]  # content-addressed: alike on every server ([] with none)
+        self.tail_name = names[-1] if plan.tail is not None else ""
         if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
             if "own" not in parts:
                 parts["own"] = _session(data[0])
             self.own = parts["own"]
             self.own_input = self.own.get_inputs()[0].name
-        tail = parts["tail"]
         # What the servers' answers must be: bands of the last level, or the tail's output (as NCHW on the wire)
         last = p.cut(plan.levels[-1])
         self.band_shape = (1, last.channels, None, last.width)
@@ -378,11 +429,6 @@ class SplitRunner(StagedRunner):
             self.tail = parts["tail_session"]
             self.tail_input = self.tail.get_inputs()[0].name
             self.tail_outputs = [o.name for o in self.tail.get_outputs()]
-            self.tail_name = ""
-        else:
-            cut = p.cut(plan.levels[-1]).tensor
-            source = _source(dev, [cut], list(p.graph.outputs), Dims.STATIC, tail.graph.name)
-            self.tail_name = self._upload(plan.tail, parts["tail_bytes"], source)
         self.peers = [NOT_A_SERVER if s == DEVICE else dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0)
                       for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * p.graph.itemsize
@@ -562,22 +608,22 @@ class ScalesRunner(SplitRunner):
         parts = _level_models(dev, tuple(plan.levels))
         sources = [_source(dev, stage.inputs, stage.outputs, Dims.TENSOR_ROWS, stage.model.graph.name)
                    for stage in parts["stages"]]
-        self.segment_names = []
-        for server in plan.servers:
-            self.segment_names = [self._upload(server, data, source)
-                                  for data, source in zip(parts["stages_bytes"], sources, strict=True)]
+        loads = [(server, data, source) for server in plan.servers
+                 for data, source in zip(parts["stages_bytes"], sources, strict=True)]
         g = dev.partitioner.graph
+        if plan.tail is not None:
+            tail = parts["tail"]
+            loads.append((plan.tail, parts["tail_bytes"], _source(dev, [i.name for i in tail.graph.input],
+                                                                  list(g.outputs), Dims.STATIC, tail.graph.name)))
+            self.output_specs = output_specs(tail)
+        names = self._upload_all(loads)
+        self.segment_names = names[:len(sources)]  # content-addressed: the same on every server
+        self.tail_name = names[-1] if plan.tail is not None else ""
         dtypes = {vi.name: value_dtype(vi) for stage in parts["stages"]
                   for vi in [*stage.model.graph.input, *stage.model.graph.output]}
         # what each participant's band of tensor t must be: (channels, width, data type)
         self.bands_of = {t: (g.shapes[t][1], g.hw[t][1], dtypes[t]) for t in plan.tensors[-1]}
         self.tail = parts["tail_session"] if plan.tail is None else None
-        self.tail_name = ""
-        if plan.tail is not None:
-            tail = parts["tail"]
-            source = _source(dev, [i.name for i in tail.graph.input], list(g.outputs), Dims.STATIC, tail.graph.name)
-            self.tail_name = self._upload(plan.tail, parts["tail_bytes"], source)
-            self.output_specs = output_specs(tail)
         self.peers = [dev.cluster.address_on(dev.cluster.servers[self.index[s]], 0) for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * g.itemsize
 
@@ -635,6 +681,7 @@ RUNNERS: dict[str, type[StagedRunner]] = {r.kind: r for r in (LocalRunner, Offlo
 
 
 WHOLE = ("whole",)  # the whole model's entry in a device's extracted models
+_EXTRACTING = threading.Lock()  # `_whole_bytes`: the servers' uploads may want it at once
 
 
 def warm(device: Device, plan: StagedPlan) -> bool:
@@ -643,17 +690,16 @@ def warm(device: Device, plan: StagedPlan) -> bool:
     needed = RUNNERS[plan.kind].extracted(device, plan)
     if needed is None:
         return False
-    index = {s.name: k for k, s in enumerate(device.cluster.servers)}
-    return all(device.uploads.holds(device.client(index[server], 0).address, data, device.tag)
-               for server, data in needed)
+    return all(device.uploads.holds(server, data, device.tag) for server, data in needed)
 
 
 def _whole_bytes(device: Device) -> bytes:
     """The whole model's bytes as a server runs it, extracted once per device: a weak camera takes seconds to
     copy and serialise a ResNet, which an offload made again (failover, a switch) must not cost."""
-    parts = device.stage_models.get(WHOLE)
-    if parts is None:
-        parts = device.stage_models[WHOLE] = {"bytes": device.partitioner.whole().SerializeToString()}
+    with _EXTRACTING:
+        parts = device.stage_models.get(WHOLE)
+        if parts is None:
+            parts = device.stage_models[WHOLE] = {"bytes": device.partitioner.whole().SerializeToString()}
     return parts["bytes"]
 
 
@@ -694,6 +740,23 @@ def _level_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
                  "tail_session": None if tail is None else _session(tail.SerializeToString())}
         device.stage_models[key] = parts
     return parts
+
+
+def _at_once(calls: list[Callable[[], Any]], stop: threading.Event | None = None) -> list[Future]:
+    """Run each of ``calls`` on a thread of its own; their futures once every one has ended. An interrupt of the
+    wait (Ctrl-C) sets ``stop`` and is raised at once: the device closes meanwhile, and closing its channels
+    cancels the calls the threads are in."""
+    pool = ThreadPoolExecutor(len(calls), thread_name_prefix="deepco-upload")
+    try:
+        futures = [pool.submit(call) for call in calls]
+        wait(futures)
+    except BaseException:
+        if stop is not None:
+            stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=False)
+    return futures
 
 
 def root_cause(errors: list[BaseException]) -> BaseException:

@@ -18,7 +18,7 @@ from deepco.wire.client import ServerError, WrongAnswer
 class FakeDevice:
     def __init__(self):
         self.down, self.events, self.lines = set(), [], []
-        self.uploads = SimpleNamespace(forget=lambda address: None)
+        self.uploads = SimpleNamespace(forget=lambda server: None)
         self.pool = SimpleNamespace(client=lambda name, antenna: SimpleNamespace(address=f"addr-{name}"))
 
     def log(self, line: str) -> None:

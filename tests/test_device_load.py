@@ -63,7 +63,7 @@ def test_setup_waits_for_a_busy_server_and_times_only_the_call_that_got_through(
             waited = time.monotonic() - started
             assert waited >= 0.8, "the probe got through while every slot was held"
             assert probe < 0.5 * waited, (probe, waited)
-            name = Uploads().upload(client, conv_model(channels=(3, 4)), "conv")
+            name = Uploads().upload("s", client, conv_model(channels=(3, 4)), "conv")
             assert name in client.loaded_models()
         for t in holders:
             t.join(timeout=30)
