@@ -21,7 +21,7 @@ them; auto's first-phase plan kept fixed, `deepco run --plan`) on ``--static-fra
 reference. Per phase: auto's p50 and p95 (the first phase's after
 calibration), the statics' and the fresh setup's, frames lost (missing, failed or out of order), every output's
 error against the whole model; and the frames until adapted: the first frame after the change from which the
-p50 of every 10 consecutive frames stays within 15% of the fresh setup's p50 under the new conditions.
+p50 of every 10 consecutive frames is at most 15% above the fresh setup's p50 under the new conditions.
 ``--repeat N`` runs the whole scenario N times on fresh testbeds; the report gives medians.
 """
 
@@ -47,7 +47,7 @@ from deepco_bench.testbed_servers import set_up_servers, shares_for, start_serve
 SCENARIOS = ("bandwidth-drop", "bandwidth-rise", "server-slowdown", "server-join", "contention")
 STATICS = ("local", "offload", "round-robin", "auto-fixed")
 ADAPTED_WINDOW = 10  # frames whose p50 must stay ...
-ADAPTED_WITHIN = 0.15  # ... within 15% of the fresh setup's p50
+ADAPTED_WITHIN = 0.15  # ... at most 15% above the fresh setup's p50 (faster than a fresh setup is adapted too)
 CALIBRATION_ROOM = 60  # frames beyond the two phases: live calibration's, which come first (at most ~55)
 FRESH_FRAMES = 20  # a fresh setup's frames after its calibration
 POLL = 0.05  # seconds between looks at a run's log (orchestration, not a test: the run goes at its own pace)
@@ -56,10 +56,12 @@ PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_
 
 def frames_until_adapted(latencies: list[float], fresh_p50: float) -> int | None:
     """Frames after the change (``latencies``: the second phase's, in order) before the first one from which
-    every ``ADAPTED_WINDOW`` consecutive frames have a p50 within ``ADAPTED_WITHIN`` of ``fresh_p50`` (None:
-    never within the phase)."""
+    every ``ADAPTED_WINDOW`` consecutive frames have a p50 at most ``ADAPTED_WITHIN`` above ``fresh_p50`` (None:
+    never within the phase). A run faster than a fresh setup under the same conditions has adapted: the
+    reference is what setting up again would give, not a level to stay near (a fresh setup over a radio cut to
+    a tenth spent its 80 frames calibrating at 379 ms while the adapted run ran at 142)."""
     n = len(latencies)
-    ok = [abs(statistics.median(latencies[i:i + ADAPTED_WINDOW]) / fresh_p50 - 1) <= ADAPTED_WITHIN
+    ok = [statistics.median(latencies[i:i + ADAPTED_WINDOW]) / fresh_p50 - 1 <= ADAPTED_WITHIN
           for i in range(n - ADAPTED_WINDOW + 1)]
     for start in range(len(ok)):
         if all(ok[start:]):
@@ -140,7 +142,9 @@ class Runs:
         proc, log = self.start(name, CALIBRATION_ROOM + FRESH_FRAMES, "--algorithm", "auto")
         self.wait_for(proc, log, lambda records, printed: _past_calibration(records, printed, FRESH_FRAMES))
         records = self.finish(proc, log, stop=True)
-        return _stats(records[calibration_frames(self.printed(log)) or 0:])
+        calibrated = calibration_frames(self.printed(log))
+        # a setup still calibrating when its frames ran out: its frames all count, and the report says so
+        return _stats(records[calibrated or 0:]) | {"calibrated": calibrated is not None}
 
     def static(self, name: str, how: list[str]) -> dict:
         """A static plan on ``--static-frames`` frames (the first two untimed: uploads, first allocations)."""
@@ -451,6 +455,10 @@ def report(result: dict) -> str:
         cells = "  ".join(f"{name} {row['p50'] * 1e3:.1f}/{row['p95'] * 1e3:.1f}" for name, row in m[phase].items()
                           if row["p50"] is not None)
         lines.append(f"{phase:<6} p50/p95: {cells}")
+        unfinished = sum(not r["phases"][phase]["fresh"].get("calibrated", True) for r in runs)
+        if unfinished:
+            lines.append(f"       the fresh setup had not finished calibrating after {CALIBRATION_ROOM + FRESH_FRAMES} "
+                         f"frames in {unfinished} of {len(runs)} repeat(s): its p50 there is of every frame it ran")
     adapted = [r["frames_until_adapted"] for r in runs]
     lines += [f"frames until adapted: {m['frames_until_adapted']:g} (per repeat: "
               f"{', '.join('not within the phase' if a is None else str(a) for a in adapted)})",
