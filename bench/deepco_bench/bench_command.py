@@ -31,6 +31,7 @@ from deepco.planning.staged import same_plan
 from deepco.plots import save_figure
 from deepco.timelines import gantt, split_text, step_split
 from deepco_bench.benchmark import GO, LOADED
+from deepco_bench.camera import CAMERA, camera_share
 from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 from deepco_bench.testbed_servers import shares_for, start_servers
 
@@ -50,7 +51,7 @@ PRESETS: dict[str, dict] = {
                "device_share": 0.1, "peer_bandwidth": "lan", "model": "resnet18", "input_size": "720x1280"},
     # `deepco demo`'s setting (bench/deepco_bench/demo.py): a 0.2-core camera, three 0.6-core edge boxes, two
     # antennas at 20 Mbit/s, a 288x288 frame; a benchmark row for the demo's claim
-    "demo": {"servers": 3, "antennas": 2, "bandwidth": 20.0, "shares": "0.6,0.6,0.6", "device_share": 0.2,
+    "demo": {"servers": 3, "antennas": 2, "bandwidth": 20.0, "shares": "0.6,0.6,0.6", "device_share": CAMERA,
              "peer_bandwidth": "lan", "model": "efficientnet-lite0", "input_size": "288x288"},
     # the paper's Section VI ratios as far as two cores allow: compute dominates (fast links, weak device)
     "paper": {"servers": 4, "antennas": 2, "bandwidth": 400.0, "shares": "0.4,0.4,0.35,0.35",
@@ -70,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", default=None,
                    help="CPU share of each server in cores, comma-separated (preset; default 0.45,0.30,0.15,0.10)")
     p.add_argument("--device-share", type=float, default=None,
-                   help="the device's own CPU share of a core (preset; default 0.5)")
+                   help="the device's own CPU share of a core (preset; default 0.5; the demo preset's is "
+                        "measured: a camera of deepco demo's GFLOP/s on this machine)")
     p.add_argument("--peer-bandwidth", default=None, metavar="MBPS|same|lan",
                    help="each server's own link, which exchanges between servers cross: Mbit/s, 'same' as the "
                         "antennas (wireless peers) or 'lan' (unshaped) (preset; default same)")
@@ -131,11 +133,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the flags left unset from the preset."""
+    """Fill the flags left unset from the preset (the demo's camera: its share measured on this machine, as
+    `deepco demo` measures it, deepco_bench.camera)."""
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.device_share == CAMERA:
+        args.device_share = _camera_share(args.model, args.input_size)
     return args
+
+
+def _camera_share(model: str, input_size: str) -> float:
+    """The device share that makes it the demo's weak camera on ``model`` (zoo name or .onnx) at this size."""
+    import onnx
+
+    from deepco.partition.source import load_model
+    from deepco_bench.demo import CAMERA_CAP
+
+    height, width = parse_size(input_size)
+    loaded = onnx.load(model) if model.endswith(".onnx") else load_model(model, height, width)
+    cores, host = camera_share(loaded, height, width, CAMERA_CAP)
+    print(f"device share {cores:.3g} core: a camera of {cores * host:.1f} GFLOP/s on {model} (this machine's "
+          f"core: {host:.0f} GFLOP/s)", flush=True)
+    return round(cores, 3)
 
 
 def peer_bandwidth(text: str, antenna_mbps: float) -> float | None:

@@ -1,4 +1,5 @@
-"""`deepco demo`: why DeepCo. A weak camera (the device process under a cgroup CPU quota of 0.2 core), three
+"""`deepco demo`: why DeepCo. A weak camera (the device process under a cgroup CPU quota: a camera of 10 GFLOP/s,
+deepco_bench.camera), three
 local servers, each an edge box under a cgroup CPU quota of 0.6 core, the camera's two antennas EMULATED at 20
 Mbit/s each, a clip made from a real photo, EfficientNet-Lite0 with its real ImageNet weights at 288x288;
 `local` (the camera alone), `offload` (the whole model on the best server) and DeepCo's `auto` plan run the
@@ -6,7 +7,7 @@ same clip side by side; a table compares them and a picture shows the plan on th
 latency. Servers, cgroups and temporary files are removed at the end and on Ctrl-C.
 
 Why these defaults: an edge picture that fits this machine's two cores, each part a known size: the camera
-(0.2 core) and three edge boxes (0.6 core each) add up to 2 cores, so no box is slowed by another; radio
+(at most 0.2 core) and three edge boxes (0.6 core each) add up to 2 cores, so no box is slowed by another; radio
 uplinks of 20 Mbit/s per antenna (cellular or a busy Wi-Fi), and a 288x288 frame (larger than the model's
 native 224x224, as a camera's frames are: more rows to share). Offload sends the whole frame over
 one antenna and computes it on one server; a split sends part of the rows (and their halos) over each
@@ -42,10 +43,12 @@ from pathlib import Path
 import numpy as np
 
 from deepco.errors import UserError
+from deepco_bench.camera import CAMERA_GFLOPS, camera_share
 
 LISTENING = re.compile(r"deepco serve: listening on (\S+)")
 PLANS = ("local", "offload", "auto")
-SERVER_CPU = 0.6  # an edge box each: 3 x 0.6 + the camera's 0.2 = a 2-core machine
+SERVER_CPU = 0.6  # an edge box each: 3 x 0.6 + the camera's at most 0.2 = a 2-core machine
+CAMERA_CAP = 0.2  # the camera's share at most: what the three edge boxes leave of two cores
 BANDWIDTH = 20.0  # Mbit/s per antenna: a radio uplink
 INPUT_SIZE = "288x288"
 
@@ -56,9 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--antennas", type=int, default=2, help="the camera's antennas, one link each (default 2)")
     p.add_argument("--bandwidth", type=float, default=BANDWIDTH,
                    help=f"Mbit/s per antenna, EMULATED by app-level pacing on loopback (default {BANDWIDTH:g})")
-    p.add_argument("--camera-cpu", type=float, default=0.2, metavar="CORES",
+    p.add_argument("--camera-cpu", type=float, default=None, metavar="CORES",
                    help="the camera's CPU: a cgroup quota of this share of one core on the device process "
-                        "(needs root and a cpu cgroup; default 0.2)")
+                        f"(needs root and a cpu cgroup; default: the share at which this machine's core runs the "
+                        f"model at a weak camera's {CAMERA_GFLOPS:g} GFLOP/s, measured at the start, at most "
+                        f"{CAMERA_CAP:g})")
     p.add_argument("--server-cpu", type=float, default=SERVER_CPU, metavar="CORES",
                    help=f"each server's CPU: a cgroup quota of this share of one core (needs root, as the "
                         f"camera's; 0: unlimited; default {SERVER_CPU:g})")
@@ -161,10 +166,15 @@ def weak_camera(cores: float) -> Iterator[tuple[Path | None, str]]:
 
 def quota_group(group: Path, version: str, cores: float) -> None:
     """Make the cpu cgroup ``group`` with a quota of ``cores`` (OSError where it cannot be made)."""
+    group.mkdir()
+    set_quota(group, version, cores)
+
+
+def set_quota(group: Path, version: str, cores: float) -> None:
+    """Set the cpu cgroup ``group``'s quota to ``cores`` (OSError where it cannot be set)."""
     from deepco_bench.testbed import CPU_PERIOD_US
 
     quota = max(1000, round(cores * CPU_PERIOD_US))
-    group.mkdir()
     if version == "v1":
         (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
         (group / "cpu.cfs_quota_us").write_text(str(quota))
@@ -196,7 +206,7 @@ def setting(args: argparse.Namespace, camera: bool, boxes: bool) -> str:
     machine's cores shared (say why where a quota was asked for: ``camera``, whether cgroups could be made)."""
     if boxes:
         return (f"each server is an edge box under a cgroup CPU quota of {args.server_cpu:g} core (EMULATED), "
-                f"{args.servers} x {args.server_cpu:g} + the camera's {args.camera_cpu:g} on this machine's "
+                f"{args.servers} x {args.server_cpu:g} + the camera's {args.camera_cpu:.3g} on this machine's "
                 f"{os.cpu_count()} cores")
     why = ("" if args.server_cpu == 0 else " (their CPU quota needs root and a cpu cgroup, as the camera's)"
            if not camera else " (their CPU quota could not be set)")
@@ -208,7 +218,7 @@ def title_setting(args: argparse.Namespace, camera: bool, boxes: bool) -> str:
     if not camera:
         return "camera and servers at full speed (no cgroup)"
     servers = f"servers {args.server_cpu:g} core each" if boxes else f"servers share {os.cpu_count()} cores"
-    return f"camera {args.camera_cpu:g} core, {servers} (cgroup CPU quotas, EMULATED)"
+    return f"camera {args.camera_cpu:.3g} core, {servers} (cgroup CPU quotas, EMULATED)"
 
 
 # ---- the device (child process) -------------------------------------------------------------------------
@@ -433,10 +443,29 @@ def check_flags(args: argparse.Namespace) -> None:
     """Refuse flags out of range (UserError), before anything is started or imported."""
     if not 1 <= args.servers <= 16:
         raise UserError(f"--servers must be in 1..16, got {args.servers}")
-    if args.frames <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or not 0.1 <= args.camera_cpu <= 64:
-        raise UserError("--frames, --antennas and --bandwidth must be positive, --camera-cpu in [0.1, 64] (cores)")
+    camera_ok = args.camera_cpu is None or 0.05 <= args.camera_cpu <= 64
+    if args.frames <= 0 or args.antennas <= 0 or args.bandwidth <= 0 or not camera_ok:
+        raise UserError("--frames, --antennas and --bandwidth must be positive, --camera-cpu in [0.05, 64] (cores)")
     if args.server_cpu != 0 and not 0.1 <= args.server_cpu <= 64:
         raise UserError(f"--server-cpu must be 0 (unlimited) or in [0.1, 64] (cores), got {args.server_cpu:g}")
+
+
+def size_camera(args: argparse.Namespace, group: Path, model_path: Path, height: int, width: int) -> str:
+    """Set the camera cgroup ``group``'s quota to the share at which this machine runs the model at
+    ``CAMERA_GFLOPS`` (deepco_bench.camera: a fixed share is as weak as the host is slow) and record it in
+    ``args.camera_cpu``; the progress line that says so."""
+    import onnx
+
+    from deepco_bench.testbed import cgroup_root
+
+    cores, host = camera_share(onnx.load(model_path), height, width, CAMERA_CAP)
+    set_quota(group, cgroup_root()[0], cores)
+    args.camera_cpu = cores
+    off = abs(cores * host / CAMERA_GFLOPS - 1) > 0.01  # held to the quota's bounds
+    weak = f" rather than {CAMERA_GFLOPS:g} (a quota in [0.05, {CAMERA_CAP:g}] core)" if off else ""
+    return (f"weak camera: the device process runs under a cgroup CPU quota of {cores:.3g} core, a camera of "
+            f"{cores * host:.1f} GFLOP/s on {args.model}{weak}: this machine's core runs it at {host:.0f} GFLOP/s "
+            f"({group})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -468,8 +497,10 @@ def run(args: argparse.Namespace) -> int:
             model_path.write_bytes(load_model(args.model, height, width).SerializeToString())  # the model cache's
 
         pids: list[int] = []
-        with (weak_camera(args.camera_cpu) as (cgroup, camera),
+        with (weak_camera(args.camera_cpu or CAMERA_CAP) as (cgroup, camera),
               local_servers(args.servers, pids=pids, meanwhile=export) as addresses):
+            if cgroup is not None and args.camera_cpu is None:  # measured now: the servers are up and idle
+                camera = size_camera(args, cgroup.parent, model_path, height, width)
             boxes = cgroup is not None and args.server_cpu > 0 and edge_servers(cgroup, pids, args.server_cpu)
             servers = setting(args, cgroup is not None, boxes)
             print(f"demo: {camera}", flush=True)
