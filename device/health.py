@@ -180,13 +180,19 @@ class Health:
             if trial.decided:
                 self._decide(trial)
             return
-        if runner is not running:
+        if runner is not running or not self._quiet(timing):
             return
         changes = self.adapt.observe(runner.plan, timing)
         if changes:
             self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
                                        "at": time.perf_counter()})
             self._consider(", ".join(c.describe() for c in changes))
+
+    def _quiet(self, timing: FrameTiming) -> bool:
+        """Whether the frame just ended (``timing``) ran while this device loaded no model: only such frames
+        measure the network and the servers (device.lifecycle.Uploads.quiet_since)."""
+        quiet = self.device.uploads.quiet_since()
+        return quiet is not None and time.perf_counter() - timing.latency >= quiet
 
     def _consider(self, why: str, margin: float | None = None, quick: bool = True) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,6 +113,8 @@ class Uploads:
         self._derivers: dict[str, bool] = {}  # server -> whether it derives stage models
         self._direct: dict[str, int] = {}  # server -> bytes of stage models uploaded there instead of derived
         self._sent = 0  # bytes sent in model loads (`sent_bytes`)
+        self._loading = 0  # model loads under way (`quiet_since`)
+        self._quiet_since = 0.0  # perf_counter when the last one ended
         self._lock = threading.Lock()
 
     def digest(self, model_bytes: bytes) -> str:
@@ -166,17 +169,31 @@ class Uploads:
         with self._lock:
             return self._sent
 
+    def quiet_since(self) -> float | None:
+        """When (time.perf_counter) this device's last model load ended; None while one is under way. A frame
+        that overlapped a load shared the antennas and the device's CPU with it: its times measure this
+        device's own uploads, not the network (live adaptation once read a trial's upload over an 8 Mbit/s
+        radio as the antennas 3.2x slower, and tried a plan for that, whose upload slowed the frames again)."""
+        with self._lock:
+            return None if self._loading else self._quiet_since
+
     def _send(self, client: InferenceClient, model_bytes: bytes, name: str, nbytes: int,
               call: Callable[[], None] | None = None) -> None:
-        """`load_with_room`, counting the ``nbytes`` each try sends."""
+        """`load_with_room`, counting the ``nbytes`` each try sends and the time it is under way."""
 
         def counted() -> None:
             with self._lock:
                 self._sent += nbytes
-            if call is not None:
-                call()
-            else:
-                client.load_model(model_bytes, name, sha256=self.digest(model_bytes))
+                self._loading += 1
+            try:
+                if call is not None:
+                    call()
+                else:
+                    client.load_model(model_bytes, name, sha256=self.digest(model_bytes))
+            finally:
+                with self._lock:
+                    self._loading -= 1
+                    self._quiet_since = time.perf_counter()
 
         load_with_room(client, model_bytes, name, call=counted)
 
