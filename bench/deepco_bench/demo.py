@@ -1,4 +1,4 @@
-"""`deepco demo`: why DeepCo. A weak camera (the device process under a cgroup CPU quota: a camera of 10 GFLOP/s,
+"""`deepco demo`: why DeepCo. A weak camera (the device process under a cgroup CPU quota: a camera of 14 GFLOP/s,
 deepco_bench.camera), three
 local servers, each an edge box under a cgroup CPU quota of 0.6 core, the camera's two antennas EMULATED at 20
 Mbit/s each, a clip made from a real photo, EfficientNet-Lite0 with its real ImageNet weights at 288x288;
