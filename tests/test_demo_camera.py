@@ -23,7 +23,7 @@ def test_the_camera_share_gives_the_camera_its_speed_on_this_host():
     (140.0, 0.2, 0.1),    # a host twice as fast as ...
     (70.0, 0.2, 0.2),     # ... this one gets half the share
     (30.0, 0.2, 0.2),     # a slow host: no more than the cap (the camera is then slower than its speed)
-    (1000.0, 0.2, 0.05),  # a very fast one: no less than a share a 100 ms period can give
+    (1000.0, 0.2, 0.05),  # a very fast one: no less than the smallest share
 ])
 def test_a_faster_host_gives_the_camera_a_smaller_share_within_its_bounds(monkeypatch, host, cap, share):
     monkeypatch.setattr(camera, "host_gflops", lambda *args: host)
