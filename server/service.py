@@ -277,7 +277,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         runs = request.runs or 3
         if runs > PROBE_MAX_RUNS:
             raise invalid(f"ProbePeer: runs must be <= {PROBE_MAX_RUNS}, got {runs}")
-        stub = self.split_jobs.peer_stub(request.peer)
+        stub = self.state.peer_channels.stub(request.peer)
 
         def median_of(payload: bytes) -> float:
             times = []
