@@ -17,6 +17,7 @@ import pytest
 from deepco_server import whole_fetch
 from deepco_server.app import ServeConfig, Server
 from deepco_server.security import ServerSecurity
+from test_derived_stages import device, offload, pixels, plan_of, reference, run_once, servers
 from test_server_support import conv_model, wait_until
 from tls_support import Certs, make_certs
 
@@ -90,6 +91,45 @@ def holds_nothing(srv: Server) -> None:
     assert srv.state.registry.held_bytes() == 0
     with InferenceClient(f"127.0.0.1:{srv.port}") as c:
         assert _code(lambda: c.derive_model(_whole_description(), "run"))[0] == grpc.StatusCode.NOT_FOUND
+
+
+# -- the device ---------------------------------------------------------------------------------------------------
+
+
+def test_a_device_split_over_two_servers_sends_the_whole_model_once():
+    """The whole model crosses the radio to the first server only: the second fetches it from the first over their
+    LAN (the radio carries the request), derives its stages, and the split's output equals the whole model's; an
+    offload to the second server then sends nothing more. The device's sent-bytes counter shows one whole model."""
+    with servers(2) as srvs, device(srvs) as dev:
+        lines: list[str] = []
+        dev.uploads.log = lines.append
+        before = dev.uploads.sent_bytes
+        offload(dev, "s0")
+        whole = dev.stage_models[("whole",)]["bytes"]
+        got = run_once(dev, plan_of(dev, ["s0", "s1"], ["layer1", "layer3"], tail=True), seed=4)
+        offload(dev, "s1")
+        sent = dev.uploads.sent_bytes - before
+        assert len(whole) < sent < len(whole) + 10 * 1000, (sent, len(whole))  # one whole model, not two
+        assert lines == []
+        assert pull(f"127.0.0.1:{srvs[1].port}", dev.uploads.digest(whole)) == whole  # s1 holds it: fetched
+        want = reference(dev, pixels(4))
+        assert float(np.abs(got - want).max()) / float(np.abs(want).max()) <= 1e-4
+
+
+def test_a_fetch_that_fails_costs_one_warning_and_the_bytes_are_sent():
+    """The server the device loaded the whole model on lost it: the second server's fetch is refused, the device
+    says so in one line (no traceback) and sends the whole model itself; the run goes on."""
+    with servers(2) as srvs, device(srvs) as dev:
+        lines: list[str] = []
+        dev.uploads.log = lines.append
+        offload(dev, "s0")
+        whole = dev.stage_models[("whole",)]["bytes"]
+        dev.client(0, 0).unload_model(content_name_of(f"{dev.tag}-whole", dev.uploads.digest(whole)), force=True)
+        before = dev.uploads.sent_bytes
+        offload(dev, "s1")
+        assert len(whole) < dev.uploads.sent_bytes - before < len(whole) + 3 * 1000
+        assert len(lines) == 1 and lines[0].startswith("warning: ") and "NOT_FOUND" in lines[0], lines
+        assert "\n" not in lines[0] and "Traceback" not in lines[0]
 
 
 # -- the server: the fetch and its attacks -------------------------------------------------------------------------
