@@ -101,9 +101,14 @@ class Uploads:
     Kept by server (the cluster's name for it), not by address: a device reaches a server at one address per
     antenna (deepco.cluster.Cluster.address_on) and loads a server's models over the antenna its frames take, so
     a model that crossed one antenna is held for a runner that reaches the server over another, and a server's
-    models are forgotten, or left alone while it is down, whichever antennas they crossed."""
+    models are forgotten, or left alone while it is down, whichever antennas they crossed.
 
-    def __init__(self) -> None:
+    ``peer_address`` gives the host:port a server reaches another one at, by name (None: unknown), for servers
+    that fetch a whole model from a peer (`_fetch_whole`); ``log`` takes the warning when that fails."""
+
+    def __init__(self, log: Callable[[str], None] = print,
+                 peer_address: Callable[[str], str | None] = lambda server: None) -> None:
+        self.log, self.peer_address = log, peer_address
         self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (server, name) -> (client, users)
         # id(bytes) -> (those bytes, their content name): a weak camera hashes a 45 MB model in about a second,
         # which a switch to a plan whose models are already held must not cost (the bytes are kept, so no id is
@@ -111,6 +116,7 @@ class Uploads:
         self._names: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, SHA-256 hex digest)
         self._wholes: dict[tuple[str, str], InferenceClient] = {}  # (server, name) -> client: whole models held
         self._derivers: dict[str, bool] = {}  # server -> whether it derives stage models
+        self._unfetchable: set[str] = set()  # servers whose whole model a peer failed to fetch
         self._direct: dict[str, int] = {}  # server -> bytes of stage models uploaded there instead of derived
         self._sent = 0  # bytes sent in model loads (`sent_bytes`)
         self._loading = 0  # model loads under way (`quiet_since`)
@@ -216,13 +222,16 @@ class Uploads:
         The whole model is sent to a server only once the stage models uploaded there would outweigh it (or
         for an offload, whose model it is): a cold setup that needs only a prefix of a ResNet's weights on a
         server (its last blocks are most of them) would otherwise send more, not less; so a server never gets
-        more than twice the bytes the cheaper of the two ways would have sent it (a ski rental)."""
+        more than twice the bytes the cheaper of the two ways would have sent it (a ski rental). Where another
+        server holds the whole model already, it is fetched from there at once (`_fetch_whole`): that costs the
+        radio nothing; if that fails, the ski rental decides again."""
         whole = source.whole()
         whole_digest = self.digest(whole)
         whole_key = (server, content_name_of(f"{base}-whole", whole_digest))
         with self._lock:
             uploaded = self._direct.get(server, 0) + len(model_bytes)
-            if whole_key not in self._wholes and source.dims != Dims.WHOLE and uploaded <= len(whole):
+            renting = whole_key not in self._wholes and source.dims != Dims.WHOLE and uploaded <= len(whole)
+            if renting and self._holder(whole_key[1], server) is None:
                 self._direct[server] = uploaded
                 return False
         description = source.description(whole_digest)
@@ -232,8 +241,13 @@ class Uploads:
                 holds = whole_key in self._wholes
             if not holds:
                 try:
-                    self._send(client, whole, whole_key[1], len(whole),
-                               call=lambda: client.load_model(whole, whole_key[1], sha256=whole_digest, whole=True))
+                    if not self._fetch_whole(client, whole, whole_key[1], whole_digest, server):
+                        if renting:  # the fetch would have cost the radio nothing; sending it does not pay yet
+                            with self._lock:
+                                self._direct[server] = uploaded
+                            return False
+                        self._send(client, whole, whole_key[1], len(whole),
+                                   call=lambda: client.load_model(whole, whole_key[1], sha256=whole_digest, whole=True))
                 except NoRoom:
                     return False
                 with self._lock:
@@ -252,6 +266,37 @@ class Uploads:
                 with self._lock:
                     self._wholes.pop(whole_key, None)
         return False
+
+    def _fetch_whole(self, client: InferenceClient, whole: bytes, name: str, digest: str, server: str) -> bool:
+        """Have ``server`` (through ``client``) fetch the whole model ``name`` from another server this device
+        loaded it on, over their LAN rather than this device's radio (`deepco serve`'s ``deepco_peer``,
+        server/whole_fetch.py); whether it did. The radio carries only the request. The peer is named by the
+        address servers reach it at (``peer_address``: the one split plans give servers for their peers). A fetch
+        refused or failed (the peer lost the model, or holds it for another identity; an address outside the
+        server's --peers) costs a warning and the bytes are sent; that peer is not asked again. `NoRoom` as for
+        an upload."""
+        with self._lock:
+            holder = self._holder(name, server)
+        peer = None if holder is None else self.peer_address(holder)
+        if peer is None:
+            return False
+        try:
+            self._send(client, whole, name, len(name) + len(digest) + len(peer),
+                       call=lambda: client.fetch_whole_model(name, digest, peer))
+        except ServerError as exc:  # NoRoom is no ServerError: it goes up, as for an upload
+            with self._lock:
+                self._unfetchable.add(holder)
+            details = " ".join((exc.details or "").split())[:200]
+            self.log(f"warning: server {server} could not fetch the whole model from {holder} ({peer}): "
+                     f"{exc.code.name}: {details}; sending the model instead")
+            return False
+        return True
+
+    def _holder(self, name: str, server: str) -> str | None:
+        """A server other than ``server`` this device loaded whole model ``name`` on and that no fetch failed
+        from, or None (called with the lock held)."""
+        return next((holder for holder, held in self._wholes if held == name and holder != server
+                     and holder not in self._unfetchable), None)
 
     def reload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
         """Load ``model_bytes`` again on ``client``'s server, which lost them while this device held them (its
@@ -283,6 +328,7 @@ class Uploads:
             self._held = {k: v for k, v in self._held.items() if k[0] != server}
             self._wholes = {k: v for k, v in self._wholes.items() if k[0] != server}
             self._derivers.pop(server, None)
+            self._unfetchable.discard(server)
             self._direct.pop(server, None)
 
     def names(self) -> set[str]:

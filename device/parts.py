@@ -67,10 +67,13 @@ class Links:
     """The device's links to its servers: a channel per (server, antenna), and the models uploaded over them
     (unloaded on `close`)."""
 
-    def __init__(self, cluster: Cluster, security: ChannelSecurity | None, pace: bool):
+    def __init__(self, cluster: Cluster, security: ChannelSecurity | None, pace: bool,
+                 log: Callable[[str], None] = print):
         self.cluster, self.security, self.pace = cluster, security, pace
         self.pool = Channels(cluster, security)
-        self.uploads = Uploads()
+        servers = {s.name: s for s in cluster.servers}
+        # a server reaches a peer where split plans tell it to (device.runners' peers): the peer's first antenna
+        self.uploads = Uploads(log, lambda name: cluster.address_on(servers[name], 0) if name in servers else None)
 
     def client(self, server: int, antenna: int) -> InferenceClient:
         """The channel to ``server`` (index in the cluster) over ``antenna`` (opened once)."""

@@ -52,7 +52,7 @@ class Device:
         self.log = log
         # the preprocessing is checked against the model in load()
         self.artefacts = ModelArtefacts(model, height, width, weights, preprocessing or preprocessing_for(model))
-        self.links = Links(cluster, security, pace)
+        self.links = Links(cluster, security, pace, log)
         self.measurements = Measured(cluster)
         self.down: set[str] = set()  # servers a run found down: not asked to unload on close
         self.events: list[dict] = []  # down / up / change / switch, with times (perf_counter): device.health

@@ -78,10 +78,10 @@ class ServeConfig:
     log_format: str = "text"  # "text" or "json" (one object per line, with one line per RPC)
     model_lease: float = DEFAULT_MODEL_LEASE  # seconds an unused uploaded model stays loaded; 0: forever
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # tensors of one request together (shape inference)
-    peers: tuple[str, ...] = ()  # split-job peers (host:port) this server may dial besides loopback ones
+    peers: tuple[str, ...] = ()  # peers (host:port) this server may dial besides loopback ones (server.peers)
     metrics_token: str | None = None  # required as 'Authorization: Bearer' on /metrics
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS  # an open stream without traffic this long is cancelled
-    max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, SplitRun, SplitExchange, Health/Watch) open at once
+    max_streams: int = DEFAULT_MAX_STREAMS  # streams (Run, SplitRun, SplitExchange, FetchWhole, ...) open at once
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # request bytes admitted calls hold at once
     server_id: str | None = None  # what ServerMetadata reports as deepco_server_id; None: `default_server_id`
     derive_stages: bool = True  # hold whole models and derive stage models from descriptions (server.derived)

@@ -17,7 +17,8 @@ interceptors on its polling thread), and runs each class of call on its own pool
 - *probes* (ServerLive, ServerReady, Health/Check): their own threads, never refused, and their request is never
   read (an empty one stands in for it): two probes whose body never came held both probe threads, and every
   probe timed out for as long as their connection stayed open;
-- *streams* (every method streaming its request or its response: Health/Watch, Run, SplitRun, SplitExchange):
+- *streams* (every method streaming its request or its response: Health/Watch, Run, SplitRun, SplitExchange,
+  FetchWhole):
   at most ``stream_slots`` at once, a thread each; one that sees no message read or written for
   ``idle_seconds`` is cancelled, which frees its thread;
 - *work* (ModelInfer, Profile, RepositoryModelLoad, Echo, ProbePeer): at most ``work_slots`` at once, a
@@ -61,7 +62,7 @@ PROBE_METHODS = frozenset({
 })
 WORK_METHODS = frozenset({
     "/inference.GRPCInferenceService/ModelInfer",
-    "/inference.GRPCInferenceService/RepositoryModelLoad",
+    "/inference.GRPCInferenceService/RepositoryModelLoad",  # with `deepco_peer`, it also dials a peer (whole_fetch)
     "/deepco.DeepcoService/Profile",
     "/deepco.DeepcoService/Echo",
     "/deepco.DeepcoService/ProbePeer",  # holds a thread while it dials a peer: bounded like the rest
@@ -99,7 +100,8 @@ def reserve(size: int) -> bool:
 def budget_class(handler: grpc.RpcMethodHandler, method: str) -> str:
     """The class of calls (PROBE, STREAM, WORK or CONTROL) that ``handler`` of ``method`` belongs to.
 
-    A stream is any method streaming its request or its response (Health/Watch, Run, SplitRun, SplitExchange):
+    A stream is any method streaming its request or its response (Health/Watch, Run, SplitRun, SplitExchange,
+    FetchWhole):
     it holds a thread for as long as it is open, whatever it is called, hence its own budget.
     """
     if method in PROBE_METHODS:

@@ -87,17 +87,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "values), is refused with RESOURCE_EXHAUSTED; convolutions' column buffers count too "
                         "(default: 4294967296, 4 GiB)")
     p.add_argument("--stream-idle-timeout", type=_seconds, default=120.0, metavar="SECONDS",
-                   help="cancel an open stream (Run, SplitRun, SplitExchange, Health/Watch) that sent or "
+                   help="cancel an open stream (Run, SplitRun, SplitExchange, FetchWhole, Health/Watch) that sent or "
                         "received nothing for this long, an inference or upload call whose request took "
                         "longer to arrive, and a call whose reply the client did not read for this long "
                         "(default: 120)")
     p.add_argument("--max-streams", type=_int_at_least(1), default=16, metavar="N",
-                   help="streams open at once (Run, SplitRun, SplitExchange, Health/Watch), each holding a "
+                   help="streams open at once (Run, SplitRun, SplitExchange, FetchWhole, Health/Watch), each holding a "
                         "worker thread; the excess is refused with RESOURCE_EXHAUSTED (default: 16)")
     p.add_argument("--peers", type=_addresses, default=(), metavar="HOST:PORT,...",
-                   help="split-job peers this server may dial (with its own token / certificate) when a device's "
-                        "SplitRun names them; loopback addresses are always allowed, others are refused with "
-                        "PERMISSION_DENIED unless listed (default: none)")
+                   help="peers this server may dial (with its own token / certificate) when a device's SplitRun, "
+                        "ProbePeer or whole-model fetch names them; loopback addresses are always allowed, others "
+                        "are refused with PERMISSION_DENIED unless listed (default: none)")
     p.add_argument("--server-id", default=None, metavar="ID",
                    help="the id ServerMetadata reports (deepco_server_id), which devices key their cached plans on; "
                         "default: one derived from the host, the port and the runtime, the same across restarts")

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 
 from deepco_server.errors import ResourceExhausted
 from deepco_server.models import Registry
+from deepco_server.peers import PeerChannels
 from deepco_server.refusals import Refusals
 from deepco_server.triton_extensions import EXTENSIONS, Statistics
 
@@ -74,8 +75,9 @@ class ServerState:
     """What the servicers share: the models, the admission limit, how to reach split-job peers, and whether we
     are draining.
 
-    ``peer_security`` is how this server dials its peers (server.split_jobs's server-to-server channels), ``peers``
-    the split-job peers (host:port) it may dial beyond loopback ones (``--peers``).
+    ``peer_security`` is how this server dials its peers (split jobs' exchanges, ProbePeer, whole models fetched
+    from a peer), ``peers`` the peers (host:port) it may dial beyond loopback ones (``--peers``); ``peer_channels``
+    is the one way it dials them (server.peers).
     """
 
     def __init__(self, registry: Registry, admission: Admission, peer_security: ChannelSecurity | None = None,
@@ -84,6 +86,7 @@ class ServerState:
         self.refusals = refusals if refusals is not None else Refusals()  # budget refusals, counted and logged
         self.peer_security = peer_security if peer_security is not None else ChannelSecurity()
         self.peers = frozenset(peers)
+        self.peer_channels = PeerChannels(self.peers, self.peer_security)
         self.draining = threading.Event()
         self.statistics = Statistics()  # Triton's statistics extension, per loaded model
         self.server_id = ""  # ServerMetadata's deepco_server_id (set by server.app.Server once it listens)

@@ -18,6 +18,8 @@ its own extraction and check only.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -36,6 +38,8 @@ from deepco.partition.derive import WholeModel
 from deepco.partition.graph import PartitionError
 from deepco.wire import deepco_service_pb2 as dpb
 
+log = logging.getLogger("deepco.serve")
+
 STAGE_PARAMETER = "deepco_stage"  # RepositoryModelLoad: a serialized StageDescription instead of the file
 WHOLE_PARAMETER = "deepco_whole"  # RepositoryModelLoad: the file is a whole model to derive stages from
 MAX_DESCRIPTION_BYTES = 64 * 1024  # a description names a few tensors: a few hundred bytes
@@ -52,6 +56,8 @@ class Whole:
     refs: int = 1
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one derivation at a time: Extractor is lazy
+    _lent: bytes | None = field(default=None, repr=False)  # the bytes while peers fetch them (`lend`)
+    _borrowers: int = 0
 
     def derive(self, description: dpb.StageDescription) -> bytes:
         """The stage model ``description`` names, serialized (INVALID_ARGUMENT for a description that names no
@@ -70,6 +76,37 @@ class Whole:
                           f"{self.sha256[:16]}...: {exc}") from None
         self.last_used = time.monotonic()
         return stage.SerializeToString()
+
+    def lend(self) -> bytes:
+        """The whole model's bytes, for a peer that fetches it (server.whole_fetch), until `give_back`. They are
+        serialized again from the parsed model rather than kept, which would hold a second copy of every whole
+        model for a rare fetch; and once for the fetches under way together, so that many fetches at once (16
+        streams left unread) cost one copy, not one each. An upload that was not protobuf's own encoding
+        serializes to other bytes: NOT_FOUND then, as for a model not held (the device sends the file instead),
+        never bytes other than the digest says."""
+        with self.lock:  # also keeps a derivation's Extractor from reading the model meanwhile
+            if self._lent is None:
+                data = self.model.model.SerializeToString()
+                if hashlib.sha256(data).hexdigest() != self.sha256:
+                    log.warning("whole model %r (sha256 %s...) does not serialize to its own bytes: not served to "
+                                "peers", self.name, self.sha256[:16])
+                    raise unknown_whole(self.sha256)
+                self._lent = data
+            self._borrowers += 1
+            return self._lent
+
+    def give_back(self) -> None:
+        """A fetch that `lend` served has ended: the bytes go with the last one."""
+        with self.lock:
+            self._borrowers -= 1
+            if self._borrowers <= 0:
+                self._borrowers, self._lent = 0, None
+
+
+def unknown_whole(sha256: str) -> NotFound:
+    """FetchWhole's refusal of a digest not held for the caller: the same words whatever is held (for others, or
+    nothing), so that a caller learns nothing by asking."""
+    return NotFound(f"no whole model with sha256 {sha256[:64]} is held here for this caller")
 
 
 def whole_model(model_bytes: bytes, name: str) -> WholeModel:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
-from deepco_server.derived import Whole, check_derived, find_whole, whole_model
+from deepco_server.derived import Whole, check_derived, find_whole, unknown_whole, whole_model
 from deepco_server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -52,7 +52,7 @@ PROFILE_MAX_BYTES = 256 * 1024 * 1024  # Profile inputs are made on the server: 
 # fits the big models the device uses (tens of MB each) and keeps a misbehaving client from filling memory.
 DEFAULT_MAX_MODEL_BYTES = 1 << 30
 MAX_NAME_CHARS = 128  # a model name ends up in logs, metrics labels and error messages
-_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 # A content-addressed name ends in "-sha256-<at least 12 hex digits>": the server loads under it only a file
 # whose SHA-256 starts with those digits, so whoever runs the name gets those bytes, whoever loaded them.
 CONTENT_NAME = re.compile(r".*-sha256-([0-9a-f]{12,64})")
@@ -283,7 +283,7 @@ def check_sha256(parameter: object, model_bytes: bytes) -> None:
     if parameter.WhichOneof("parameter_choice") != "string_param":
         raise invalid("parameter 'sha256' must be a string (the model file's SHA-256 as 64 hex digits)")
     expected = parameter.string_param.strip().lower()
-    if not _SHA256.fullmatch(expected):
+    if not SHA256_HEX.fullmatch(expected):
         raise invalid(f"parameter 'sha256' must be 64 hex digits, got {parameter.string_param[:80]!r}")
     actual = hashlib.sha256(model_bytes).hexdigest()
     if actual != expected:
@@ -476,6 +476,41 @@ class Registry:
             self._wholes[(owner, name)] = whole
         log.info("holding whole model %r (%d bytes, sha256 %s, owner %r) to derive stages from", name,
                  len(model_bytes), sha256[:16], owner)
+
+    def whole_room(self, name: str, sha256: str, owner: str = "") -> int | None:
+        """Before ``owner``'s whole model ``name`` of digest ``sha256`` is fetched from a peer (server.whole_fetch):
+        None when it is held already (one more reference: nothing to fetch), else the bytes it may take under
+        --max-model-bytes (RESOURCE_EXHAUSTED when none). The fetched bytes are then loaded by `load_whole`."""
+        self._check_derivation()
+        check_model_name(name)
+        claimed = CONTENT_NAME.fullmatch(name)
+        if claimed and not sha256.startswith(claimed.group(1)):
+            raise invalid(f"model name {name!r} is content-addressed (sha256 {claimed.group(1)}...) but the model to "
+                          f"fetch has sha256 {sha256[:16]}...")
+        with self._lock:
+            self._sweep()
+            if self._same_whole(owner, name, sha256):
+                return None
+            held = self._held()
+        if held >= self.max_model_bytes:
+            raise ResourceExhausted(f"cannot hold whole model {name!r}: loaded models hold {held} bytes and the limit "
+                                    f"(--max-model-bytes) is {self.max_model_bytes}")
+        return self.max_model_bytes - held
+
+    def whole_to_serve(self, sha256: str, owner: str = "") -> Whole:
+        """``owner``'s whole model of exact digest ``sha256``, for a peer to fetch (FetchWhole; its bytes by
+        `Whole.lend`): NOT_FOUND for any other digest, saying nothing of what is held (INVALID_ARGUMENT: not 64
+        hex digits)."""
+        digest = sha256.strip().lower()
+        if not SHA256_HEX.fullmatch(digest):
+            raise invalid(f"FetchWhole: sha256 must be 64 hex digits, got {sha256[:80]!r}")
+        with self._lock:
+            self._sweep()
+            whole = next((w for (o, _), w in self._wholes.items() if o == owner and w.sha256 == digest), None)
+            if whole is None:
+                raise unknown_whole(digest)
+            whole.last_used = time.monotonic()  # a source for peers is in use: its lease is renewed
+        return whole
 
     def _same_whole(self, owner: str, name: str, sha256: str) -> bool:
         """Whether ``owner`` holds whole model ``name`` with these bytes already (one more reference), else

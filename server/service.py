@@ -19,7 +19,7 @@ import grpc
 from deepco_server.budgets import reserve
 from deepco_server.dataplane import ServerState
 from deepco_server.derived import is_whole, stage_from_load_request
-from deepco_server.errors import ResourceExhausted, ServerFault, Unavailable, invalid
+from deepco_server.errors import PermissionDenied, ResourceExhausted, ServerFault, Unavailable, invalid
 from deepco_server.models import PLATFORM, model_from_load_request
 from deepco_server.security import client_identity, sender_identity
 from deepco_server.split_jobs import SplitJobs, parse_request
@@ -28,6 +28,7 @@ from deepco_server.triton_extensions import (
     classification_counts,
     model_config,
 )
+from deepco_server.whole_fetch import fetch_from_load_request, load_from_peer, whole_chunks
 
 import deepco
 from deepco.wire import deepco_service_pb2 as dpb
@@ -188,6 +189,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if stage is not None:  # a stage model derived from a whole model held here (server.derived)
             registry.derive(request.model_name, "1", *stage, owner)
             return pb.RepositoryModelLoadResponse()
+        fetch = fetch_from_load_request(request.parameters)
+        if fetch is not None:  # a whole model a peer holds, over the servers' LAN (server.whole_fetch)
+            load_from_peer(self.state, request.model_name, *fetch, owner, context.is_active, context.time_remaining())
+            return pb.RepositoryModelLoadResponse()
         model_bytes, version = model_from_load_request(request.parameters)
         if is_whole(request.parameters):
             registry.load_whole(request.model_name, model_bytes, owner)
@@ -277,7 +282,7 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
         runs = request.runs or 3
         if runs > PROBE_MAX_RUNS:
             raise invalid(f"ProbePeer: runs must be <= {PROBE_MAX_RUNS}, got {runs}")
-        stub = self.split_jobs.peer_stub(request.peer)
+        stub = self.state.peer_channels.stub(request.peer)
 
         def median_of(payload: bytes) -> float:
             times = []
@@ -292,6 +297,22 @@ class DeepcoServicer(dpb_grpc.DeepcoServiceServicer):
 
         small = median_of(b"\0")
         return dpb.ProbePeerResponse(small_seconds=small, large_seconds=median_of(bytes(request.bytes)))
+
+    def FetchWhole(self, request: dpb.FetchWholeRequest, context: grpc.ServicerContext) -> Iterator[dpb.WholeChunk]:
+        """A whole model held here, for a peer server to load (server.whole_fetch): only the caller's own, only by
+        its exact digest."""
+        with _answering("FetchWhole", context):
+            if self.state.draining.is_set():
+                raise Unavailable("server is shutting down")
+            caller = client_identity(context)
+            if request.identity != caller:  # a server fetching for someone else: models stay within an identity
+                raise PermissionDenied("FetchWhole: a server fetches whole models only for callers of its own identity")
+            whole = self.state.registry.whole_to_serve(request.sha256, caller)
+            model_bytes = whole.lend()
+        try:
+            yield from whole_chunks(model_bytes)
+        finally:  # also when the peer goes away mid-way: gRPC closes the generator
+            whole.give_back()
 
     def SplitRun(self, request: dpb.SplitRequest, context: grpc.ServicerContext) -> Iterator[dpb.RunEvent]:
         """A split job: this server's band of a frame, level by level with direct peer exchanges (split_jobs.py)."""

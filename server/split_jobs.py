@@ -50,16 +50,14 @@ from deepco_server.errors import (
     invalid,
 )
 from deepco_server.models import Registry
-from deepco_server.security import is_loopback
+from deepco_server.peers import MAX_PEER_CHANNELS, PeerChannels, peer_allowed
 
-from deepco.parsing import split_address
 from deepco.planning.bands import NOT_A_SERVER, check_tables, receives, sends
 from deepco.planning.overlap import MAX_PARTS
 from deepco.planning.plan import PlanningError
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire.rows import decode_rows, encode_rows
-from deepco.wire.security import make_channel
 from deepco.wire.split_jobs import gatherer, named_rows
 from deepco.wire.step_times import StepClock
 from deepco.wire.tensors import TensorError
@@ -73,7 +71,6 @@ DEFAULT_EXCHANGE_TIMEOUT = 30.0
 MAX_EXCHANGE_TIMEOUT = 300.0
 MAX_JOB_ID = 128
 MAX_TENSOR_NAME = 256
-MAX_PEER_CHANNELS = 64
 POLL_SECONDS = 0.05  # how often a wait looks at cancellation and at failed outgoing streams
 
 
@@ -406,18 +403,6 @@ def _interval(r: dpb.RowRange) -> tuple[int, int]:
     return int(r.start), int(r.stop)
 
 
-def peer_allowed(address: str, allowed: frozenset[str]) -> bool:
-    """Whether this server may dial ``address`` (host:port) for a split job: it is in ``allowed`` (`deepco serve
-    --peers`), or its host is a loopback address (servers sharing this machine)."""
-    if address in allowed:
-        return True
-    try:
-        host, _ = split_address(address)
-    except ValueError:
-        return False
-    return is_loopback(host)
-
-
 def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = "",
                   allowed_peers: frozenset[str] = frozenset()) -> Job:
     """Check a SplitRequest: INVALID_ARGUMENT naming the problem, NOT_FOUND for a model not loaded (for
@@ -588,32 +573,19 @@ class SplitJobs:
 
     def __init__(self, state: ServerState, threads: int | None = None,
                  channel_factory: Callable[[str], grpc.Channel] | None = None):
-        # channel_factory opens the channel to a peer's address; by default peers are dialled as this
-        # server's own clients are secured (TLS / mutual TLS / token): state.peer_security, from server.app.
+        # channel_factory opens the channel to a peer's address; by default the server's one home for dialling
+        # peers (server.peers: its allow-list, and its own credentials, state.peer_security from server.app).
         self.state = state
-        self._open = channel_factory or (lambda address: make_channel(address, self.state.peer_security))
+        self.peers = state.peer_channels if channel_factory is None else \
+            PeerChannels(state.peers, state.peer_security, lambda address, _: channel_factory(address))
         self.mailboxes = Mailboxes(threads=threads)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
 
     def peer_stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
         """A stub to a peer server (checked address; the channel is reused)."""
-        if not address or len(address) > 256 or ":" not in address:
-            raise invalid(f"peer address must be host:port, got {address[:64]!r}")
-        if not peer_allowed(address, self.state.peers):  # the server's credentials go only to allowed peers
-            raise PermissionDenied(f"peer {address[:80]!r} is not an allowed peer of this server; start it with "
-                                   "--peers listing its peers' host:port (loopback is always allowed)")
-        return self._stub(address)
+        return self.peers.stub(address)
 
     def _stub(self, address: str) -> dpb_grpc.DeepcoServiceStub:
-        # One channel per peer address, reused across jobs: a frame should not pay a TCP handshake per peer.
-        with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                if len(self._channels) >= MAX_PEER_CHANNELS:
-                    self._channels.pop(next(iter(self._channels))).close()
-                channel = self._channels[address] = self._open(address)
-            return dpb_grpc.DeepcoServiceStub(channel)
+        return self.peers.checked_stub(address)  # a job's peers were checked with its tables (parse_request)
 
     def exchange(self, messages: Iterator[dpb.RowsMessage], who: str = "") -> dpb.ExchangeAck:
         """SplitExchange: file each message's rows in its job's mailbox; ``who`` sent them (its identity)."""

@@ -343,7 +343,7 @@ def test_budget_classes_follow_each_handlers_streaming_flags() -> None:
     classes: dict[str, set[str]] = {}
     for method, handler in capture.handlers.items():
         classes.setdefault(budget_class(handler, method), set()).add(method.rpartition("/")[2])
-    assert classes[STREAM] == {"Watch", "Run", "SplitRun", "SplitExchange"}
+    assert classes[STREAM] == {"Watch", "Run", "SplitRun", "SplitExchange", "FetchWhole"}
     assert classes[PROBE] == {"ServerLive", "ServerReady", "Check"}
     assert classes[WORK] == {"ModelInfer", "RepositoryModelLoad", "Profile", "Echo", "ProbePeer"}
     assert classes[CONTROL] == {"ServerMetadata", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics",

@@ -85,4 +85,4 @@ def test_messages_cross_between_the_two_implementations() -> None:
 def test_deepco_service_is_its_own_package() -> None:
     assert deepco_service_pb2.DESCRIPTOR.package == "deepco"
     assert [m.name for m in deepco_service_pb2.DESCRIPTOR.services_by_name["DeepcoService"].methods] == [
-        "Profile", "Run", "Echo", "SplitRun", "SplitExchange", "ProbePeer"]
+        "Profile", "Run", "Echo", "SplitRun", "SplitExchange", "ProbePeer", "FetchWhole"]

@@ -244,6 +244,17 @@ class InferenceClient:
         self._call(self.inference.RepositoryModelLoad, request)
         self._input_names.pop(name, None)
 
+    def fetch_whole_model(self, name: str, sha256: str, peer: str) -> None:
+        """Have a `deepco serve` hold as ``name`` the whole model of digest ``sha256`` (as `load_model` with
+        ``whole=True``) by fetching it from the server ``peer`` (host:port as servers reach it, which holds it for
+        the same identity), so that its bytes cross the servers' LAN instead of this client's link."""
+        request = pb.RepositoryModelLoadRequest(model_name=name)
+        request.parameters["deepco_whole"].bool_param = True
+        request.parameters["deepco_peer"].string_param = peer
+        request.parameters["sha256"].string_param = sha256
+        self._call(self.inference.RepositoryModelLoad, request)
+        self._input_names.pop(name, None)
+
     def unload_model(self, name: str, force: bool = False, timeout: float | None = None) -> None:
         """Unload a model: `deepco serve` drops one reference (other loads of the same file keep it loaded);
         ``force`` drops them all."""

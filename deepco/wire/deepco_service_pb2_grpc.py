@@ -65,6 +65,11 @@ class DeepcoServiceStub:
                 request_serializer=deepco__service__pb2.ProbePeerRequest.SerializeToString,
                 response_deserializer=deepco__service__pb2.ProbePeerResponse.FromString,
                 _registered_method=True)
+        self.FetchWhole = channel.unary_stream(
+                '/deepco.DeepcoService/FetchWhole',
+                request_serializer=deepco__service__pb2.FetchWholeRequest.SerializeToString,
+                response_deserializer=deepco__service__pb2.WholeChunk.FromString,
+                _registered_method=True)
 
 
 class DeepcoServiceServicer:
@@ -120,6 +125,17 @@ class DeepcoServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchWhole(self, request, context):
+        """Server to server (issue 27: models cross the radio once): the bytes of a whole model this server holds to
+        derive stages from (RepositoryModelLoad's `deepco_whole`), found by its exact SHA-256 among the whole models
+        of the caller's own identity (which must be `identity`), in chunks. A server pulls it when a device asks it to load the whole model
+        from this one (RepositoryModelLoad's `deepco_peer` parameter in place of the file), so the model crosses
+        the servers' LAN rather than the device's radio again. NOT_FOUND for any digest not held for the caller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeepcoServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +168,11 @@ def add_DeepcoServiceServicer_to_server(servicer, server):
                     servicer.ProbePeer,
                     request_deserializer=deepco__service__pb2.ProbePeerRequest.FromString,
                     response_serializer=deepco__service__pb2.ProbePeerResponse.SerializeToString,
+            ),
+            'FetchWhole': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchWhole,
+                    request_deserializer=deepco__service__pb2.FetchWholeRequest.FromString,
+                    response_serializer=deepco__service__pb2.WholeChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +337,33 @@ class DeepcoService:
             '/deepco.DeepcoService/ProbePeer',
             deepco__service__pb2.ProbePeerRequest.SerializeToString,
             deepco__service__pb2.ProbePeerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchWhole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deepco.DeepcoService/FetchWhole',
+            deepco__service__pb2.FetchWholeRequest.SerializeToString,
+            deepco__service__pb2.WholeChunk.FromString,
             options,
             channel_credentials,
             insecure,
