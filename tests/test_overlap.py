@@ -128,8 +128,8 @@ def resnet(servers):
 
 
 @pytest.mark.parametrize(("levels", "lookahead", "tail", "weights"), [
-    (["layer1", "layer2", "layer3"], True, True, None),  # a fused hybrid: exchanges, the tail on s0
-    (MODNN, False, False, None),  # MoDNN's shape: the image's halo exchanged too
+    (["layer1", "layer2", "layer3"], True, True, [1, 1, 1]),  # a fused hybrid: exchanges, the tail on s0
+    (MODNN, False, False, [1, 1, 1]),  # MoDNN's shape: the image's halo exchanged too
     (MODNN, True, False, [8, 1, 8]),  # a thin middle band: it runs once, its neighbours in parts
 ])
 def test_a_split_run_in_parts_on_real_servers_equals_the_whole_model(resnet, levels, lookahead, tail, weights):
