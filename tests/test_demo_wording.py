@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from deepco_bench.bench_command import PRESETS
-from deepco_bench.camera import CAMERA
-from deepco_bench.demo import CAMERA_CAP, add_arguments, setting, shown_plan, speed_ratio, title_setting, verdict
+from deepco_bench.camera import CAMERA, CAMERA_CAP
+from deepco_bench.demo import add_arguments, setting, shown_plan, speed_ratio, title_setting, verdict
 from test_server_support import ROOT, child_env
 
 

@@ -31,7 +31,7 @@ from deepco.planning.staged import same_plan
 from deepco.plots import save_figure
 from deepco.timelines import gantt, split_text, step_split
 from deepco_bench.benchmark import GO, LOADED
-from deepco_bench.camera import CAMERA, camera_share
+from deepco_bench.camera import CAMERA, CAMERA_CAP, camera_share
 from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 from deepco_bench.testbed_servers import shares_for, start_servers
 
@@ -148,8 +148,6 @@ def _camera_share(model: str, input_size: str) -> float:
     import onnx
 
     from deepco.partition.source import load_model
-    from deepco_bench.demo import CAMERA_CAP
-
     height, width = parse_size(input_size)
     loaded = onnx.load(model) if model.endswith(".onnx") else load_model(model, height, width)
     cores, host = camera_share(loaded, height, width, CAMERA_CAP)

@@ -22,6 +22,7 @@ CAMERA = "camera"  # `deepco bench --preset demo`'s device share: the demo's cam
 # a weak camera's CPU on a CNN: EfficientNet-Lite0 at 288x288 (1.29 GFLOPs) in ~90 ms of compute, ~140 ms a frame
 # with the rest of the device's work; what the AMD EPYC host's 0.2 core was (local p50 130-170 ms)
 CAMERA_GFLOPS = 14.0
+CAMERA_CAP = 0.2  # the camera's share at most: what the demo's three 0.6-core edge boxes leave of two cores
 SMALLEST_SHARE = 0.05  # below this the 10 ms cgroup period leaves the camera slices under half a millisecond
 RUNS = 5  # timed runs at least after one warm-up, ...
 TIMED_SECONDS = 0.5  # ... and for this long: the fastest is the host's speed (the others carry interruptions;

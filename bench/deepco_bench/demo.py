@@ -43,12 +43,11 @@ from pathlib import Path
 import numpy as np
 
 from deepco.errors import UserError
-from deepco_bench.camera import CAMERA_GFLOPS, camera_share
+from deepco_bench.camera import CAMERA_CAP, CAMERA_GFLOPS, SMALLEST_SHARE, camera_share
 
 LISTENING = re.compile(r"deepco serve: listening on (\S+)")
 PLANS = ("local", "offload", "auto")
 SERVER_CPU = 0.6  # an edge box each: 3 x 0.6 + the camera's at most 0.2 = a 2-core machine
-CAMERA_CAP = 0.2  # the camera's share at most: what the three edge boxes leave of two cores
 BANDWIDTH = 20.0  # Mbit/s per antenna: a radio uplink
 INPUT_SIZE = "288x288"
 
@@ -462,7 +461,7 @@ def size_camera(args: argparse.Namespace, group: Path, model_path: Path, height:
     set_quota(group, cgroup_root()[0], cores)
     args.camera_cpu = cores
     off = abs(cores * host / CAMERA_GFLOPS - 1) > 0.01  # held to the quota's bounds
-    weak = f" rather than {CAMERA_GFLOPS:g} (a quota in [0.05, {CAMERA_CAP:g}] core)" if off else ""
+    weak = f" rather than {CAMERA_GFLOPS:g} (a quota in [{SMALLEST_SHARE:g}, {CAMERA_CAP:g}] core)" if off else ""
     return (f"weak camera: the device process runs under a cgroup CPU quota of {cores:.3g} core, a camera of "
             f"{cores * host:.1f} GFLOP/s on {args.model}{weak}: this machine's core runs it at {host:.0f} GFLOP/s "
             f"({group})")
