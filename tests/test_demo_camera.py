@@ -15,8 +15,6 @@ def test_the_camera_share_gives_the_camera_its_speed_on_this_host():
     cores, host = camera.camera_share(model, 64, 64, cap=64.0)
     assert host > 0
     assert cores == pytest.approx(max(camera.SMALLEST_SHARE, camera.CAMERA_GFLOPS / host))
-    # measured again: the same host within timing noise (the fastest of several runs)
-    assert camera.host_gflops(model, 64, 64) == pytest.approx(host, rel=0.5)
 
 
 @pytest.mark.parametrize(("host", "cap", "share"), [
