@@ -17,6 +17,7 @@ from deepco_server.models import Registry
 from deepco_server.peers import PeerChannels
 from deepco_server.refusals import Refusals
 from deepco_server.triton_extensions import EXTENSIONS, Statistics
+from deepco_server.whole_parts import WholeParts
 
 from deepco.wire.security import ChannelSecurity
 
@@ -72,8 +73,8 @@ class Admission:
 
 
 class ServerState:
-    """What the servicers share: the models, the admission limit, how to reach split-job peers, and whether we
-    are draining.
+    """What the servicers share: the models (and the whole models being sent in parts), the admission limit, how to
+    reach split-job peers, and whether we are draining.
 
     ``peer_security`` is how this server dials its peers (split jobs' exchanges, ProbePeer, whole models fetched
     from a peer), ``peers`` the peers (host:port) it may dial beyond loopback ones (``--peers``); ``peer_channels``
@@ -83,6 +84,7 @@ class ServerState:
     def __init__(self, registry: Registry, admission: Admission, peer_security: ChannelSecurity | None = None,
                  peers: Iterable[str] = (), refusals: Refusals | None = None):
         self.registry, self.admission = registry, admission
+        self.parts = WholeParts(registry)  # whole models sent in parts over several antennas (server.whole_parts)
         self.refusals = refusals if refusals is not None else Refusals()  # budget refusals, counted and logged
         self.peer_security = peer_security if peer_security is not None else ChannelSecurity()
         self.peers = frozenset(peers)
@@ -100,4 +102,4 @@ class ServerState:
                 f"deepco_max_models={registry.max_models}", f"deepco_max_model_bytes={registry.max_model_bytes}",
                 f"deepco_max_inflight={self.admission.limit}", f"deepco_concurrent_runs={self.admission.running}",
                 *([f"deepco_server_id={self.server_id}"] if self.server_id else []),
-                *(["deepco_derive_stages"] if registry.derive_stages else [])]
+                *(["deepco_derive_stages", "deepco_whole_parts"] if registry.derive_stages else [])]

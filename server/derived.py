@@ -42,6 +42,7 @@ log = logging.getLogger("deepco.serve")
 
 STAGE_PARAMETER = "deepco_stage"  # RepositoryModelLoad: a serialized StageDescription instead of the file
 WHOLE_PARAMETER = "deepco_whole"  # RepositoryModelLoad: the file is a whole model to derive stages from
+PEER_PARAMETER = "deepco_peer"  # RepositoryModelLoad: fetch the whole model from this peer (server.whole_fetch)
 MAX_DESCRIPTION_BYTES = 64 * 1024  # a description names a few tensors: a few hundred bytes
 
 

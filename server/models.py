@@ -291,6 +291,15 @@ def check_sha256(parameter: object, model_bytes: bytes) -> None:
                       f"({len(model_bytes)} bytes received)")
 
 
+def sha256_text(parameters: Mapping[str, object]) -> str:
+    """A load's ``sha256`` parameter, stripped and in lower case ("" when missing or not a string): for the loads
+    that name a whole model by its digest rather than send its file whole, which check it is one."""
+    sha = parameters.get("sha256")
+    if sha is None or sha.WhichOneof("parameter_choice") != "string_param":
+        return ""
+    return sha.string_param.strip().lower()
+
+
 def check_model_name(name: str) -> None:
     """Refuse a model name that is empty, too long, or holds control characters."""
     if not name:
@@ -342,6 +351,7 @@ class Registry:
         self.derive_stages = derive  # hold whole models and derive stage models from them (server.derived)
         self._models: dict[tuple[str, str], Holding] = {}
         self._wholes: dict[tuple[str, str], Whole] = {}  # (owner, name) -> a whole model held for derivation
+        self._parts = 0  # bytes of whole models' parts pending assembly (server.whole_parts)
         self._lock = threading.Lock()
 
     def _sweep(self) -> None:
@@ -366,8 +376,10 @@ class Registry:
                                     f"the limit (--max-model-bytes) is {self.max_model_bytes}; unload one first")
 
     def _held(self) -> int:
-        """Bytes of the loaded models and the whole models held (called with the lock held)."""
-        return sum(h.model.size for h in self._models.values()) + sum(w.size for w in self._wholes.values())
+        """Bytes of the loaded models, the whole models held and the parts pending assembly (called with the lock
+        held)."""
+        return (sum(h.model.size for h in self._models.values()) + sum(w.size for w in self._wholes.values())
+                + self._parts)
 
     def _same_or_refuse(self, holding: Holding, version: str, sha256: str) -> LoadedModel:
         """A load of a name already loaded: one more reference if it is the same file, else ALREADY_EXISTS."""
@@ -382,7 +394,8 @@ class Registry:
         return model
 
     def held_bytes(self) -> int:
-        """Uploaded bytes of the models loaded now (what --max-model-bytes bounds)."""
+        """Uploaded bytes of the models loaded now, whole models and parts pending included (what
+        --max-model-bytes bounds)."""
         with self._lock:
             self._sweep()
             return self._held()
@@ -477,19 +490,20 @@ class Registry:
         log.info("holding whole model %r (%d bytes, sha256 %s, owner %r) to derive stages from", name,
                  len(model_bytes), sha256[:16], owner)
 
-    def whole_room(self, name: str, sha256: str, owner: str = "") -> int | None:
-        """Before ``owner``'s whole model ``name`` of digest ``sha256`` is fetched from a peer (server.whole_fetch):
-        None when it is held already (one more reference: nothing to fetch), else the bytes it may take under
-        --max-model-bytes (RESOURCE_EXHAUSTED when none). The fetched bytes are then loaded by `load_whole`."""
+    def whole_room(self, name: str, sha256: str, owner: str = "", reference: bool = True) -> int | None:
+        """Before ``owner``'s whole model ``name`` of digest ``sha256`` is fetched from a peer (server.whole_fetch)
+        or sent in parts (server.whole_parts): None when it is held already (one more reference, unless not
+        ``reference``: nothing to fetch), else the bytes it may take under --max-model-bytes (RESOURCE_EXHAUSTED
+        when none). The bytes are then loaded by `load_whole`."""
         self._check_derivation()
         check_model_name(name)
         claimed = CONTENT_NAME.fullmatch(name)
         if claimed and not sha256.startswith(claimed.group(1)):
             raise invalid(f"model name {name!r} is content-addressed (sha256 {claimed.group(1)}...) but the model to "
-                          f"fetch has sha256 {sha256[:16]}...")
+                          f"fetch or join has sha256 {sha256[:16]}...")
         with self._lock:
             self._sweep()
-            if self._same_whole(owner, name, sha256):
+            if self._same_whole(owner, name, sha256, reference):
                 return None
             held = self._held()
         if held >= self.max_model_bytes:
@@ -512,18 +526,36 @@ class Registry:
             whole.last_used = time.monotonic()  # a source for peers is in use: its lease is renewed
         return whole
 
-    def _same_whole(self, owner: str, name: str, sha256: str) -> bool:
-        """Whether ``owner`` holds whole model ``name`` with these bytes already (one more reference), else
-        False; other bytes under the name are ALREADY_EXISTS (called with the lock held)."""
+    def _same_whole(self, owner: str, name: str, sha256: str, reference: bool = True) -> bool:
+        """Whether ``owner`` holds whole model ``name`` with these bytes already (one more reference, if
+        ``reference``), else False; other bytes under the name are ALREADY_EXISTS (called with the lock held)."""
         whole = self._wholes.get((owner, name))
         if whole is None:
             return False
         if whole.sha256 != sha256:
             raise AlreadyExists(f"whole model {name!r} is held with sha256 {whole.sha256[:16]}...; this file "
                                 f"({sha256[:16]}...) differs")
-        whole.refs += 1
+        if reference:
+            whole.refs += 1
         whole.last_used = time.monotonic()
         return True
+
+    def hold_part(self, name: str, size: int) -> None:
+        """Count ``size`` bytes of a part of whole model ``name`` pending assembly (server.whole_parts) against
+        --max-model-bytes, until `drop_parts` (RESOURCE_EXHAUSTED when they do not fit)."""
+        with self._lock:
+            self._sweep()
+            held = self._held()
+            if held + size > self.max_model_bytes:
+                raise ResourceExhausted(f"cannot take a part of whole model {name!r} ({size} bytes): loaded models "
+                                        f"and parts pending hold {held} bytes and the limit (--max-model-bytes) is "
+                                        f"{self.max_model_bytes}")
+            self._parts += size
+
+    def drop_parts(self, size: int) -> None:
+        """``size`` bytes of parts counted by `hold_part` are no longer held (assembled, refused or expired)."""
+        with self._lock:
+            self._parts -= size
 
     def _check_bytes(self, name: str, size: int) -> None:
         held = self._held()

@@ -29,6 +29,7 @@ from deepco_server.triton_extensions import (
     model_config,
 )
 from deepco_server.whole_fetch import fetch_from_load_request, load_from_peer, whole_chunks
+from deepco_server.whole_parts import part_from_load_request
 
 import deepco
 from deepco.wire import deepco_service_pb2 as dpb
@@ -185,9 +186,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if self.state.draining.is_set():
             raise Unavailable("server is shutting down")
         registry, owner = self.state.registry, client_identity(context)
+        self.state.parts.sweep()  # whole models abandoned half-sent in parts give their room back first
         stage = stage_from_load_request(request.parameters)
         if stage is not None:  # a stage model derived from a whole model held here (server.derived)
             registry.derive(request.model_name, "1", *stage, owner)
+            return pb.RepositoryModelLoadResponse()
+        part = part_from_load_request(request.parameters)
+        if part is not None:  # a part of a whole model, the rest over the device's other antennas (server.whole_parts)
+            self.state.parts.load(request.model_name, part, owner)
             return pb.RepositoryModelLoadResponse()
         fetch = fetch_from_load_request(request.parameters)
         if fetch is not None:  # a whole model a peer holds, over the servers' LAN (server.whole_fetch)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 import grpc
 from deepco_server.budgets import reserve
 from deepco_server.dataplane import ServerState
-from deepco_server.derived import WHOLE_PARAMETER
+from deepco_server.derived import PEER_PARAMETER, WHOLE_PARAMETER
 from deepco_server.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -44,14 +44,13 @@ from deepco_server.errors import (
     Unavailable,
     invalid,
 )
-from deepco_server.models import SHA256_HEX
+from deepco_server.models import SHA256_HEX, sha256_text
 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 
 log = logging.getLogger("deepco.serve")
 
-PEER_PARAMETER = "deepco_peer"  # RepositoryModelLoad: fetch the whole model from this peer instead of a file
 CHUNK_BYTES = 1 << 20  # one FetchWhole message: the server's stream window, so a chunk is never held up half-sent
 FETCH_SECONDS = 600.0  # a whole fetch at most (1 GiB at 15 MB/s), or the device's own deadline if sooner
 STALL_SECONDS = 10.0  # a peer that sends nothing this long is cut off
@@ -77,9 +76,7 @@ def fetch_from_load_request(parameters: Mapping[str, object]) -> tuple[str, str]
         raise invalid(f"parameter '{PEER_PARAMETER}' fetches a whole model only: add '{WHOLE_PARAMETER}': true")
     if any(k.startswith("file:") for k in parameters):
         raise invalid(f"a load has either a model file or a '{PEER_PARAMETER}' to fetch it from, not both")
-    sha = parameters.get("sha256")
-    digest = sha.string_param.strip().lower() if sha is not None and sha.WhichOneof("parameter_choice") == \
-        "string_param" else ""
+    digest = sha256_text(parameters)
     if not SHA256_HEX.fullmatch(digest):
         raise invalid(f"a load from a peer needs the model's exact 'sha256' (64 hex digits): the peer serves it "
                       f"by digest and this server checks the bytes against it (got {digest[:80]!r})")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
@@ -60,6 +61,16 @@ def conv_model(channels: tuple[int, ...] = (3, 8, 8, 4), seed: int = 0, strides:
 # enough for a test to act while the request is surely in flight.
 HEAVY_CHANNELS = (3, 64, 64, 64, 64, 64, 4)
 HEAVY_SHAPE = (1, 3, 768, 768)
+
+
+def whole_bytes(seed: int = 0, channels: tuple[int, ...] = (3, 8, 4)) -> bytes:
+    """A small conv net of fixed image size (8x8): a model a server holds whole and derives stages from."""
+    model = onnx.load_from_string(conv_model(channels, seed=seed))
+    for value in (model.graph.input[0], model.graph.output[0]):
+        for d, size in zip(value.type.tensor_type.shape.dim[2:], (8, 8), strict=True):
+            d.Clear()
+            d.dim_value = size
+    return model.SerializeToString()
 
 
 def heavy_model() -> bytes:

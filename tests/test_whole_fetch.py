@@ -12,13 +12,12 @@ import time
 
 import grpc
 import numpy as np
-import onnx
 import pytest
 from deepco_server import whole_fetch
 from deepco_server.app import ServeConfig, Server
 from deepco_server.security import ServerSecurity
 from test_derived_stages import device, offload, pixels, plan_of, reference, run_once, servers
-from test_server_support import conv_model, wait_until
+from test_server_support import wait_until, whole_bytes
 from tls_support import Certs, make_certs
 
 from deepco.partition.derive import Dims
@@ -29,16 +28,6 @@ from deepco.wire.client import InferenceClient, ServerError, content_name_of
 from deepco.wire.security import ChannelSecurity, make_channel
 
 FOREIGN = "192.0.2.1:50051"  # TEST-NET-1: nothing answers there, and it is neither loopback nor in --peers
-
-
-def whole_bytes(seed: int = 0, channels: tuple[int, ...] = (3, 8, 4)) -> bytes:
-    """A small conv net of fixed image size: a model a server holds whole and derives stages from."""
-    model = onnx.load_from_string(conv_model(channels, seed=seed))
-    for value in (model.graph.input[0], model.graph.output[0]):
-        for d, size in zip(value.type.tensor_type.shape.dim[2:], (8, 8), strict=True):
-            d.Clear()
-            d.dim_value = size
-    return model.SerializeToString()
 
 
 WHOLE = whole_bytes()
