@@ -60,12 +60,13 @@ def servers(ports: list[int]):
 
 def timed_run(cmd: list[str], models: Path, spawn=subprocess.Popen, log=None) -> dict:
     """Run ``cmd`` (started by ``spawn``) with its zoo exports kept in ``models``; seconds to its first frame
-    line, MB on its `plan:` line, the first 30 frames' p50 (ms)."""
+    line, MB on its `plan:` line, the first 30 frames' p50 (ms), and the p50 of the frames after its `plan:` line (the
+    calibrated plan's, once its models are there)."""
     start = time.perf_counter()
     proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if log is None else subprocess.STDOUT,
                  text=True, cwd=ROOT,
                  env=dict(os.environ, DEEPCO_MODEL_CACHE=str(models)))
-    first, sent, warm, latencies = None, None, False, []
+    first, sent, warm, latencies, planned = None, None, False, [], None
     for line in proc.stdout:
         if log is not None:
             log.write(f"{time.perf_counter() - start:7.1f} {line}")
@@ -76,6 +77,7 @@ def timed_run(cmd: list[str], models: Path, spawn=subprocess.Popen, log=None) ->
         if line.startswith("plan: "):
             mb = re.search(r"([\d.]+) MB sent to the servers", line)
             sent = float(mb.group(1)) if mb else None
+            planned = len(latencies)
         warm = warm or line.startswith("plan cache: warm start")
     code = proc.wait()
     if code != 0:
@@ -83,7 +85,11 @@ def timed_run(cmd: list[str], models: Path, spawn=subprocess.Popen, log=None) ->
                          f"{proc.stderr.read().strip() if proc.stderr else 'its lines are in the --log file'}")
     return {"first_result_s": first, "mb_sent_until_plan": sent, "warm_start": warm,
             "total_s": time.perf_counter() - start,
-            "p50_first_30_ms": statistics.median(latencies[:30]) if latencies else None}
+            "p50_first_30_ms": statistics.median(latencies[:30]) if latencies else None,
+            # the calibrated plan's own frames: those after the `plan:` line (calibration and its uploads are over)
+            "frames_after_plan": 0 if planned is None else len(latencies) - planned,
+            "p50_after_plan_ms": statistics.median(latencies[planned:])
+            if planned is not None and len(latencies) > planned else None}
 
 
 CAMERA_SHARES = (0.45, 0.45, 0.35, 0.35)  # `deepco bench --preset camera`'s servers
@@ -122,7 +128,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=60)
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
                    help="run in the camera preset's EMULATED testbed with antennas at MBPS (needs root)")
-    p.add_argument("--log", type=argparse.FileType("w"), default=None, metavar="FILE",
+    p.add_argument("--log", type=argparse.FileType("w", bufsize=1), default=None, metavar="FILE",
                    help="write every line the runs print to FILE, each with the seconds since its run started")
     p.add_argument("--no-cache-flag", action="store_true",
                    help="for a checkout from before the plan cache: run without --plan-cache")

@@ -12,6 +12,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +25,9 @@ from deepco.wire.client import InferenceClient, ServerError, content_name_of
 
 UNLOAD_TIMEOUT = 5.0  # per model on close: a frozen server must not hold up the device's exit
 DERIVES = "deepco_derive_stages"  # ServerMetadata's extension of a server that derives stage models
+PARTS = "deepco_whole_parts"  # ServerMetadata's extension of a server that takes a whole model in parts
+MIN_PART_BYTES = 1 << 20  # a whole model smaller than two of these crosses one antenna: parts would only cost calls
+SMALL_STAGE = 0.25  # a stage under this share of the whole model is sent at once, not after a whole on its way
 
 
 @dataclass(frozen=True)
@@ -104,18 +108,24 @@ class Uploads:
     models are forgotten, or left alone while it is down, whichever antennas they crossed.
 
     ``peer_address`` gives the host:port a server reaches another one at, by name (None: unknown), for servers
-    that fetch a whole model from a peer (`_fetch_whole`); ``log`` takes the warning when that fails."""
+    that fetch a whole model from a peer (`_fetch_whole`); ``log`` takes the warning when that fails.
+    ``routes`` gives a server's channels over the antennas that reach it at distinct addresses, each with its
+    share of the bytes (the antenna's measured bandwidth): a whole model crosses them in parts, at once
+    (`_send_whole`). The device sets it once it has measured; until then a whole model crosses one antenna."""
 
     def __init__(self, log: Callable[[str], None] = print,
-                 peer_address: Callable[[str], str | None] = lambda server: None) -> None:
-        self.log, self.peer_address = log, peer_address
+                 peer_address: Callable[[str], str | None] = lambda server: None,
+                 routes: Callable[[str], list[tuple[InferenceClient, float]]] = lambda server: []) -> None:
+        self.log, self.peer_address, self.routes = log, peer_address, routes
         self._held: dict[tuple[str, str], tuple[InferenceClient, int]] = {}  # (server, name) -> (client, users)
         # id(bytes) -> (those bytes, their content name): a weak camera hashes a 45 MB model in about a second,
         # which a switch to a plan whose models are already held must not cost (the bytes are kept, so no id is
         # reused while its entry lives)
         self._names: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, SHA-256 hex digest)
         self._wholes: dict[tuple[str, str], InferenceClient] = {}  # (server, name) -> client: whole models held
-        self._derivers: dict[str, bool] = {}  # server -> whether it derives stage models
+        self._extensions: dict[str, set[str]] = {}  # server -> its ServerMetadata extensions (asked once)
+        # whole model name -> {server: set once the whole model on its way there has landed, or failed}
+        self._arriving: dict[str, dict[str, threading.Event]] = {}
         self._unfetchable: set[str] = set()  # servers whose whole model a peer failed to fetch
         self._direct: dict[str, int] = {}  # server -> bytes of stage models uploaded there instead of derived
         self._sent = 0  # bytes sent in model loads (`sent_bytes`)
@@ -205,12 +215,16 @@ class Uploads:
 
     def _derives(self, server: str, client: InferenceClient) -> bool:
         """Whether ``server`` derives stage models (asked through ``client`` once, and again after `forget`)."""
+        return DERIVES in self._extensions_of(server, client)
+
+    def _extensions_of(self, server: str, client: InferenceClient) -> set[str]:
+        """``server``'s ServerMetadata extensions, asked through ``client`` once (and again after `forget`)."""
         with self._lock:
-            known = self._derivers.get(server)
+            known = self._extensions.get(server)
         if known is None:
-            known = DERIVES in while_busy(client.server_metadata)["extensions"]
+            known = set(while_busy(client.server_metadata)["extensions"])
             with self._lock:
-                self._derivers[server] = known
+                self._extensions[server] = known
         return known
 
     def _derive(self, server: str, client: InferenceClient, model_bytes: bytes, name: str, base: str,
@@ -231,27 +245,22 @@ class Uploads:
         with self._lock:
             uploaded = self._direct.get(server, 0) + len(model_bytes)
             renting = whole_key not in self._wholes and source.dims != Dims.WHOLE and uploaded <= len(whole)
-            if renting and self._holder(whole_key[1], server) is None:
+            # a whole model on its way to a server is as good as held, but for a stage small enough to send now
+            coming = bool(self._arriving.get(whole_key[1])) and len(model_bytes) >= SMALL_STAGE * len(whole)
+            if renting and self._holder(whole_key[1], server) is None and not coming:
                 self._direct[server] = uploaded
                 return False
         description = source.description(whole_digest)
         digest = self.digest(model_bytes)
         for _ in range(2):  # a second time after the server lost the whole model (its lease, a restart)
-            with self._lock:
-                holds = whole_key in self._wholes
-            if not holds:
-                try:
-                    if not self._fetch_whole(client, whole, whole_key[1], whole_digest, server):
-                        if renting:  # the fetch would have cost the radio nothing; sending it does not pay yet
-                            with self._lock:
-                                self._direct[server] = uploaded
-                            return False
-                        self._send(client, whole, whole_key[1], len(whole),
-                                   call=lambda: client.load_model(whole, whole_key[1], sha256=whole_digest, whole=True))
-                except NoRoom:
+            try:
+                # renting: a fetch costs the radio nothing, sending the whole model does not pay yet
+                if not self._hold_whole(server, client, whole, whole_key[1], whole_digest, send=not renting):
+                    with self._lock:
+                        self._direct[server] = uploaded
                     return False
-                with self._lock:
-                    self._wholes[whole_key] = client
+            except NoRoom:
+                return False
             try:
                 self._send(client, model_bytes, name, len(description),
                            call=lambda: client.derive_model(description, name, sha256=digest))
@@ -266,6 +275,80 @@ class Uploads:
                 with self._lock:
                     self._wholes.pop(whole_key, None)
         return False
+
+    def hold_whole(self, server: str, client: InferenceClient, whole: bytes, base: str) -> None:
+        """Have ``server`` (through ``client``) hold the whole model ``whole`` for the stage models it will derive
+        (nothing where it derives none): fetched from a peer holding it, or one on its way there, else sent, in
+        parts over its antennas. A cold start sends it while the device plans (device.runners.send_whole_early)."""
+        if self._derives(server, client):
+            digest = self.digest(whole)
+            self._hold_whole(server, client, whole, content_name_of(f"{base}-whole", digest), digest)
+
+    def _hold_whole(self, server: str, client: InferenceClient, whole: bytes, name: str, digest: str,
+                    send: bool = True) -> bool:
+        """Whether ``server`` holds whole model ``name`` once this returns: it does already; or it is fetched from
+        a peer that does, after waiting for one on its way to another server (the radio carries it once); or,
+        where ``send``, it is sent (`_send_whole`). Several servers asking at once: one is sent it, the others
+        fetch it from there."""
+        key = (server, name)
+        while True:
+            with self._lock:
+                if key in self._wholes:
+                    return True
+                arriving = self._arriving.setdefault(name, {})
+                waiting = arriving.get(server) or next(iter(arriving.values()), None)
+                if waiting is None:
+                    done = arriving[server] = threading.Event()
+                    break
+            waiting.wait()
+        try:
+            if not self._fetch_whole(client, whole, name, digest, server):
+                if not send:
+                    return False
+                self._send_whole(server, client, whole, name, digest)
+            with self._lock:
+                self._wholes[key] = client
+            return True
+        finally:
+            with self._lock:
+                arriving = self._arriving.get(name, {})
+                arriving.pop(server, None)
+                if not arriving:
+                    self._arriving.pop(name, None)
+            done.set()
+
+    def _send_whole(self, server: str, client: InferenceClient, whole: bytes, name: str, digest: str) -> None:
+        """Send whole model ``name`` to ``server``: in parts, at once, one over each antenna that reaches it at an
+        address of its own (``routes``), each part in proportion to its antenna's bandwidth, where the server takes
+        parts; else over ``client``. Two 8 Mbit/s antennas carry a ResNet-18 (45 MB) in ~23 s instead of ~45."""
+        routes = [(c, w) for c, w in self.routes(server) if w > 0]
+        if len(routes) < 2 or len(whole) < 2 * MIN_PART_BYTES or PARTS not in self._extensions_of(server, client):
+            self._send(client, whole, name, len(whole),
+                       call=lambda: client.load_model(whole, name, sha256=digest, whole=True))
+            return
+        total, weight, ends, acc = len(whole), sum(w for _, w in routes), [], 0.0
+        for _, w in routes:
+            acc += w
+            ends.append(round(total * acc / weight))
+        ends[-1] = total
+        view = memoryview(whole)
+        parts = [(c, a, b) for (c, _), a, b in zip(routes, [0, *ends[:-1]], ends, strict=True) if b > a]
+
+        def in_parts() -> None:
+            with ThreadPoolExecutor(len(parts), thread_name_prefix="deepco-part") as pool:
+                futures = [pool.submit(c.load_whole_part, view[a:b], name, digest, a, total) for c, a, b in parts]
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                raise next((e for e in errors if getattr(e, "code", None) == grpc.StatusCode.RESOURCE_EXHAUSTED),
+                           errors[0])
+
+        try:
+            self._send(client, whole, name, len(whole), call=in_parts)
+        except ServerError as exc:  # an antenna's channel failed: the plan's own antenna carries it all
+            self.log(f"warning: whole model to {server} in parts over {len(parts)} antennas failed "
+                     f"({exc.code.name}); sending it over one")
+            self._send(client, whole, name, len(whole),
+                       call=lambda: client.load_model(whole, name, sha256=digest, whole=True))
 
     def _fetch_whole(self, client: InferenceClient, whole: bytes, name: str, digest: str, server: str) -> bool:
         """Have ``server`` (through ``client``) fetch the whole model ``name`` from another server this device
@@ -327,7 +410,7 @@ class Uploads:
         with self._lock:
             self._held = {k: v for k, v in self._held.items() if k[0] != server}
             self._wholes = {k: v for k, v in self._wholes.items() if k[0] != server}
-            self._derivers.pop(server, None)
+            self._extensions.pop(server, None)
             self._unfetchable.discard(server)
             self._direct.pop(server, None)
 

@@ -333,7 +333,7 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
     """What to run (printed) and the frames left for it: the feed, or None where calibration took them all."""
     from deepco_device.adaptation import Adaptation
     from deepco_device.planner import LiveFrames, StagedPlanner
-    from deepco_device.runners import warm
+    from deepco_device.runners import send_whole_early, warm
 
     from deepco.planning.staged import throughput
 
@@ -355,6 +355,7 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
         choice = planner.choose_slo(args.max_latency / 1e3)
         plan, depth = choice.option.plan, choice.option.depth
     elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
+        send_whole_early(dev)  # the radio carries the whole model while the device plans
         live = LiveFrames(feed, emit)  # calibration's finalists stay loaded for live adaptation (below)
         plan = planner.calibrate(objective, live=live, standby=True)
         cache.store(dev, plan, _unsettled(live))

@@ -35,7 +35,7 @@ from deepco_device.backpressure import while_busy
 from deepco_device.feed import Feed
 from deepco_device.giveup import GiveUp
 from deepco_device.health import Health
-from deepco_device.lifecycle import StageSource
+from deepco_device.lifecycle import NoRoom, StageSource
 from deepco_device.measuring import device_session as _session
 from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult, FrameTiming, ServerStep, StepTimes
@@ -691,6 +691,33 @@ def warm(device: Device, plan: StagedPlan) -> bool:
     if needed is None:
         return False
     return all(device.uploads.holds(server, data, device.tag) for server, data in needed)
+
+
+def send_whole_early(device: Device) -> threading.Thread | None:
+    """On a cold start, send the whole model to the fastest server up in the background, while the device plans
+    and its first frames run (issue 27): a derived stage is made from it there, and the other servers fetch it
+    from there over their LAN. So the radio carries it once, in parts over every antenna, rather than once per
+    server when calibration asks. The thread (None where no server is up). A failure is one warning line;
+    calibration then sends what its plans need, as it would have."""
+    rates = device.rates()
+    up = [name for name in device.servers() if name not in device.down and name in rates.server_flops_per_second]
+    if not up:
+        return None
+    target = max(up, key=rates.server_flops_per_second.__getitem__)
+    antenna = max(range(len(rates.antenna_bytes_per_second)), key=rates.antenna_bytes_per_second.__getitem__)
+    client = device.client([s.name for s in device.cluster.servers].index(target), antenna)
+
+    def send() -> None:
+        try:
+            device.uploads.hold_whole(target, client, _whole_bytes(device), device.tag)
+        except NoRoom:
+            pass  # calibration plans within the room the servers have
+        except (UserError, ValueError) as exc:  # ServerError is a UserError; ValueError: its channel closed
+            device.log(f"warning: the whole model was not sent to {target} ahead of planning: {exc}")
+
+    thread = threading.Thread(target=send, name="deepco-whole-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def _whole_bytes(device: Device) -> bytes:

@@ -53,6 +53,7 @@ class Device:
         # the preprocessing is checked against the model in load()
         self.artefacts = ModelArtefacts(model, height, width, weights, preprocessing or preprocessing_for(model))
         self.links = Links(cluster, security, pace, log)
+        self.links.uploads.routes = self._routes
         self.measurements = Measured(cluster)
         self.down: set[str] = set()  # servers a run found down: not asked to unload on close
         self.events: list[dict] = []  # down / up / change / switch, with times (perf_counter): device.health
@@ -94,6 +95,22 @@ class Device:
     def client(self, server: int, antenna: int) -> InferenceClient:
         """The channel to ``server`` (index in the cluster) over ``antenna`` (opened once)."""
         return self.links.client(server, antenna)
+
+    def _routes(self, name: str) -> list[tuple[InferenceClient, float]]:
+        """Server ``name``'s channels over the antennas that reach it at addresses of their own, each with the
+        antenna's measured bandwidth (device.lifecycle.Uploads sends a whole model over them in parts); none
+        before measuring. Antennas that share an address are one route: parts over them would share one link."""
+        measured = self.measured
+        if measured is None:
+            return []
+        server = next(s for s in self.cluster.servers if s.name == name)
+        routes, seen = [], set()
+        for m, rate in enumerate(measured.antenna_bytes_per_second):
+            address = self.cluster.address_on(server, m)
+            if address not in seen:
+                seen.add(address)
+                routes.append((self.pool.client(name, m), rate))
+        return routes
 
     def close(self) -> None:
         """Unload what this device uploaded (not from servers marked down), then close every channel."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
 from deepco_device.plan_command import save_plan
+from deepco_device.preprocess import normalise
 from deepco_device.session import Device
-from deepco_device.staged import StagedPlanner
+from deepco_device.staged import StagedPlanner, StagedRunner
 
 from deepco.cluster import parse_cluster
 
@@ -27,3 +30,14 @@ def saved_plans(servers, model: str, height: int, width: int, folder: Path,
         saved[what] = folder / f"plan-{i}.json"
         save_plan(str(saved[what]), model, height, width, plan)
     return saved
+
+
+def assert_frame_exact(runner: StagedRunner, dev: Device) -> None:
+    """One random frame through ``runner`` equals ORT on ``dev``'s whole model within 1e-4 (relative to its
+    largest value)."""
+    px = np.random.default_rng(0).integers(0, 256, (1, dev.channels, dev.height, dev.width), dtype=np.uint8)
+    outputs, _ = runner.run_frame(px)
+    (got,) = outputs.values()
+    session = ort.InferenceSession(dev.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = session.run(None, {session.get_inputs()[0].name: normalise(px, dev.preprocessing)})[0]
+    assert float(np.abs(got - want).max()) / float(np.abs(want).max()) <= 1e-4

@@ -9,13 +9,11 @@ import contextlib
 import dataclasses
 import threading
 
-import numpy as np
-import onnxruntime as ort
 import pytest
-from deepco_device.preprocess import normalise
 from deepco_device.runners import warm
 from deepco_device.session import Device
 from deepco_device.staged import StagedPlanner, StagedRunner
+from plan_support import assert_frame_exact
 
 from deepco.cluster import parse_cluster
 from deepco.planning.staged import split_plan
@@ -87,12 +85,7 @@ def test_each_servers_models_cross_its_own_antenna_once(dev, calls, two_servers)
                                                             addresses(two_servers[1].port)[0]}
     assert {address for address, name in loads if name == runner.tail_name} == {addresses(two_servers[1].port)[0]}
 
-    px = np.random.default_rng(0).integers(0, 256, (1, 3, H, W), dtype=np.uint8)
-    outputs, _ = runner.run_frame(px)
-    (got,) = outputs.values()
-    session = ort.InferenceSession(dev.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
-    want = session.run(None, {session.get_inputs()[0].name: normalise(px, dev.preprocessing)})[0]
-    assert float(np.abs(got - want).max()) / float(np.abs(want).max()) <= 1e-4
+    assert_frame_exact(runner, dev)
 
     straight = split_on(dev, [0, 1])
     assert warm(dev, straight)

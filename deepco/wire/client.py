@@ -255,6 +255,19 @@ class InferenceClient:
         self._call(self.inference.RepositoryModelLoad, request)
         self._input_names.pop(name, None)
 
+    def load_whole_part(self, part: bytes | memoryview, name: str, sha256: str, offset: int, total: int) -> None:
+        """Send bytes ``[offset, offset + len(part))`` of the whole model ``name`` (``total`` bytes, digest
+        ``sha256``) to a `deepco serve` that takes whole models in parts (ServerMetadata's ``deepco_whole_parts``):
+        it holds the whole model, as `load_model` with ``whole=True`` would, once every part has come (the call
+        that brings the last one returns when it is held). Parts may come over different channels at once."""
+        request = pb.RepositoryModelLoadRequest(model_name=name)
+        request.parameters["deepco_whole"].bool_param = True
+        request.parameters["deepco_part"].string_param = f"{offset}/{total}"
+        request.parameters["sha256"].string_param = sha256
+        request.parameters["file:1/model.onnx"].bytes_param = bytes(part)
+        self._call(self.inference.RepositoryModelLoad, request)
+        self._input_names.pop(name, None)
+
     def unload_model(self, name: str, force: bool = False, timeout: float | None = None) -> None:
         """Unload a model: `deepco serve` drops one reference (other loads of the same file keep it loaded);
         ``force`` drops them all."""
