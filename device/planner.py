@@ -354,6 +354,7 @@ class _PlanRuns:
         self._runners: dict[str, StagedRunner] = {}
         self.spared: list[StagedRunner] = []
         self._local: StagedRunner | None = None  # the device alone, for live frames while models are sent
+        self._timed: dict[str, float] = {}  # plan key -> median latency of its timed frames (`_meanwhile`)
 
     def time(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float]:
         """The latencies of ``frames`` frames of ``plan`` (after an untimed one when ``warm_up``: first runs
@@ -368,37 +369,51 @@ class _PlanRuns:
                 raise Unfit(str(exc)) from None
         if warm_up:
             self._frame(runner)
-        return [self._frame(runner) for _ in range(frames)]
+        latencies = [self._frame(runner) for _ in range(frames)]
+        if latencies:
+            self._timed[key] = float(np.median(latencies))
+        return latencies
 
     def set_up(self, plan: StagedPlan) -> StagedRunner:
-        """``plan``'s runner. Setting it up sends its models to the servers, which over a slow radio takes many
-        frames' time: with live frames, those that come meanwhile run on the device alone and give their results
-        as they go (the camera's first results do not wait for the radio). Only once a set-up has taken
+        """``plan``'s runner. Setting it up sends its models to the servers (and makes them on the device), which
+        over a slow radio, or on a weak camera, takes many frames' time: with live frames, those that come
+        meanwhile run on the fastest plan timed so far whose models are on the servers, else on the device alone
+        (`_meanwhile`), and give their results as they go (the camera's first results do not wait for the radio,
+        and a contender's set-up does not send the frames back to the device). Only once a set-up has taken
         `SET_UP_GRACE` seconds, or one frame on the device if longer: where models arrive sooner, the run waits
-        for them, and calibration's frames are not spent on the device."""
+        for them, and calibration's frames are not spent elsewhere."""
         if not isinstance(self.frames, LiveFrames):
             return StagedRunner(self.device, plan)
         grace = max(SET_UP_GRACE, local_plan(self.device.costs, self.device.measured.rates()).predicted)
+        told = False
         with ThreadPoolExecutor(1, thread_name_prefix="deepco-set-up") as pool:
             building = pool.submit(StagedRunner, self.device, plan)
             while True:
                 try:
                     return building.result(timeout=grace)
                 except TimeoutError:
-                    if not self._frame_on_the_device(plan):
+                    runner = self._meanwhile()
+                    if not told:
+                        told = True
+                        where = "the device" if runner is self._local else runner.plan.brief()
+                        self.device.log(f"models on their way to the servers for {plan.brief()}: frames run on "
+                                        f"{where} meanwhile")
+                    try:
+                        self._frame(runner)
+                    except SourceEnded:
                         return building.result()
 
-    def _frame_on_the_device(self, waiting_for: StagedPlan) -> bool:
-        """Run the next live frame on the device alone; False when the source has ended."""
+    def _meanwhile(self) -> StagedRunner:
+        """Where a live frame runs while a plan is set up: the fastest plan timed so far (set up, not released),
+        where it measured faster than the device alone is predicted; else the device alone."""
+        local = local_plan(self.device.costs, self.device.measured.rates())
+        timed = [(self._timed[key], runner) for key, runner in self._runners.items() if key in self._timed]
+        best = min(timed, key=lambda t: t[0], default=None)
+        if best is not None and best[0] < local.predicted:
+            return best[1]
         if self._local is None:
-            self.device.log(f"models on their way to the servers for {waiting_for.brief()}: frames run on the "
-                            "device meanwhile")
-            self._local = StagedRunner(self.device, local_plan(self.device.costs, self.device.measured.rates()))
-        try:
-            self._frame(self._local)
-        except SourceEnded:
-            return False
-        return True
+            self._local = StagedRunner(self.device, local)
+        return self._local
 
     def _frame(self, runner: StagedRunner) -> float:
         """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames."""

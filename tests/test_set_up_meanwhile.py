@@ -90,3 +90,36 @@ def test_a_quick_set_up_spends_no_frame_on_the_device(device, monkeypatch):
                                               _frames(5), lambda result, predicted: None)
     assert on_device == []
     assert rest.take(0.1).index == 0
+
+
+def test_while_a_contender_is_set_up_frames_run_on_the_fastest_plan_timed_so_far(device, monkeypatch):
+    """Calibration timed one server plan (faster than the device alone is predicted); while the next candidate's
+    models are sent, the live frames run on that plan, not on the device, in order and each with its result."""
+    ran: list[tuple[str, int]] = []
+    enough = threading.Event()
+
+    class Runner:
+        def __init__(self, dev, plan, **_):
+            self.plan = plan
+            if plan.servers == ["s1"]:  # the contender: its set-up lasts until 3 frames ran meanwhile
+                assert enough.wait(20), "no frame ran while the contender's models were sent"
+
+        def run_frame(self, x: np.ndarray):
+            ran.append((self.plan.servers[0] if self.plan.servers else "device", int(x[0, 0, 0, 0])))
+            if sum(where == "s0" for where, _ in ran) >= 5:
+                enough.set()
+            return {"frame": x[0, 0, 0, 0].copy()}, FrameTiming(latency=0.001)
+
+    monkeypatch.setattr(planner_module, "StagedRunner", Runner)
+    monkeypatch.setattr(planner_module, "SET_UP_GRACE", 0.05)
+    monkeypatch.setattr(device, "progress", lambda what: None, raising=False)
+    rates = Rates({"s0": 4e9, "s1": 4e9}, [1e6], 0.001, 1e9, 1e8, 0.0005)
+    monkeypatch.setattr(device.measured, "_rates", rates)
+    emitted: list[int] = []
+    live = planner_module.LiveFrames(_frames(20), lambda result, predicted: emitted.append(int(result.outputs["frame"])))
+    runs = planner_module._PlanRuns(device, live)
+    runs.time(offload_plan(device.costs, rates, "s0"), frames=2, warm_up=False)
+    runs.set_up(offload_plan(device.costs, rates, "s1"))
+    assert [where for where, _ in ran] == ["s0"] * len(ran) and len(ran) >= 5  # none on the device
+    assert [frame for _, frame in ran] == emitted == list(range(len(ran)))  # in order, each given out once
+    assert any("frames run on offload" in line for line in device.lines), device.lines
