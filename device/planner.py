@@ -15,6 +15,7 @@ frames, `LiveFrames`, or on blank ones for a dry run).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -343,6 +344,10 @@ def set_up_live(device: Device, plan: StagedPlan, feed: Feed,
 
 
 SET_UP_GRACE = 2.0  # seconds a plan's set-up may take before live frames run on the device meanwhile
+# Live frames the first plan calibration timed runs before a contender is set up: a contender's set-up slows the
+# frames meanwhile (its models are made on the device and sent), so a cold start's first results come from the
+# predicted best plan, steadily, and calibration goes on after them (issue 27).
+SETTLE_FRAMES = 20
 
 
 class _PlanRuns:
@@ -355,6 +360,10 @@ class _PlanRuns:
         self.spared: list[StagedRunner] = []
         self._local: StagedRunner | None = None  # the device alone, for live frames while models are sent
         self._timed: dict[str, float] = {}  # plan key -> median latency of its timed frames (`_meanwhile`)
+        self._settled = False  # the first plan timed has run its SETTLE_FRAMES
+        # a plan's frame during another's set-up was slower than the device alone: a weak device's CPU goes to
+        # making and sending the models (a 0.1-core camera: 2.5-4.3 s against 0.3 s on its own)
+        self._busy = False
 
     def time(self, plan: StagedPlan, frames: int, warm_up: bool) -> list[float]:
         """The latencies of ``frames`` frames of ``plan`` (after an untimed one when ``warm_up``: first runs
@@ -379,11 +388,18 @@ class _PlanRuns:
         over a slow radio, or on a weak camera, takes many frames' time: with live frames, those that come
         meanwhile run on the fastest plan timed so far whose models are on the servers, else on the device alone
         (`_meanwhile`), and give their results as they go (the camera's first results do not wait for the radio,
-        and a contender's set-up does not send the frames back to the device). Only once a set-up has taken
+        and a contender's set-up does not send the frames back to the device). The first plan timed runs
+        `SETTLE_FRAMES` more before the first contender is set up. Only once a set-up has taken
         `SET_UP_GRACE` seconds, or one frame on the device if longer: where models arrive sooner, the run waits
         for them, and calibration's frames are not spent elsewhere."""
         if not isinstance(self.frames, LiveFrames):
             return StagedRunner(self.device, plan)
+        if self._timed and not self._settled:  # the first plan timed runs a while before any contender
+            self._settled = True
+            runner = self._meanwhile()
+            with contextlib.suppress(SourceEnded):
+                for _ in range(SETTLE_FRAMES):
+                    self._frame(runner)
         grace = max(SET_UP_GRACE, local_plan(self.device.costs, self.device.measured.rates()).predicted)
         told = False
         with ThreadPoolExecutor(1, thread_name_prefix="deepco-set-up") as pool:
@@ -399,21 +415,26 @@ class _PlanRuns:
                         self.device.log(f"models on their way to the servers for {plan.brief()}: frames run on "
                                         f"{where} meanwhile")
                     try:
-                        self._frame(runner)
+                        latency = self._frame(runner)
                     except SourceEnded:
                         return building.result()
+                    if runner is not self._local and latency > self._local_seconds():
+                        self._busy = True  # a set-up starves this device: its frames go to the device alone
 
     def _meanwhile(self) -> StagedRunner:
         """Where a live frame runs while a plan is set up: the fastest plan timed so far (set up, not released),
         where it measured faster than the device alone is predicted; else the device alone."""
-        local = local_plan(self.device.costs, self.device.measured.rates())
         timed = [(self._timed[key], runner) for key, runner in self._runners.items() if key in self._timed]
         best = min(timed, key=lambda t: t[0], default=None)
-        if best is not None and best[0] < local.predicted:
+        if best is not None and best[0] < self._local_seconds() and not self._busy:
             return best[1]
         if self._local is None:
-            self._local = StagedRunner(self.device, local)
+            self._local = StagedRunner(self.device, local_plan(self.device.costs, self.device.measured.rates()))
         return self._local
+
+    def _local_seconds(self) -> float:
+        """The device alone's predicted latency."""
+        return local_plan(self.device.costs, self.device.measured.rates()).predicted
 
     def _frame(self, runner: StagedRunner) -> float:
         """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames."""

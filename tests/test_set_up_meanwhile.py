@@ -112,14 +112,76 @@ def test_while_a_contender_is_set_up_frames_run_on_the_fastest_plan_timed_so_far
 
     monkeypatch.setattr(planner_module, "StagedRunner", Runner)
     monkeypatch.setattr(planner_module, "SET_UP_GRACE", 0.05)
+    monkeypatch.setattr(planner_module, "SETTLE_FRAMES", 0)
     monkeypatch.setattr(device, "progress", lambda what: None, raising=False)
     rates = Rates({"s0": 4e9, "s1": 4e9}, [1e6], 0.001, 1e9, 1e8, 0.0005)
     monkeypatch.setattr(device.measured, "_rates", rates)
     emitted: list[int] = []
-    live = planner_module.LiveFrames(_frames(20), lambda result, predicted: emitted.append(int(result.outputs["frame"])))
+    live = planner_module.LiveFrames(_frames(20),
+                                     lambda result, predicted: emitted.append(int(result.outputs["frame"])))
     runs = planner_module._PlanRuns(device, live)
     runs.time(offload_plan(device.costs, rates, "s0"), frames=2, warm_up=False)
     runs.set_up(offload_plan(device.costs, rates, "s1"))
     assert [where for where, _ in ran] == ["s0"] * len(ran) and len(ran) >= 5  # none on the device
     assert [frame for _, frame in ran] == emitted == list(range(len(ran)))  # in order, each given out once
     assert any("frames run on offload" in line for line in device.lines), device.lines
+
+
+def _two_plans(device, monkeypatch, latency: float, contender_set_up: threading.Event | None = None):
+    """A stand-in runner whose every frame takes ``latency`` s (on the device: 1 ms); the contender (on s1) is set
+    up once ``contender_set_up`` is set (at once without it). Its frames' (where, index) list, and the two plans."""
+    ran: list[tuple[str, int]] = []
+
+    class Runner:
+        def __init__(self, dev, plan, **_):
+            self.plan = plan
+            if plan.servers == ["s1"]:
+                ran.append(("set-up", -1))
+                if contender_set_up is not None:
+                    assert contender_set_up.wait(20)
+
+        def run_frame(self, x: np.ndarray):
+            where = self.plan.servers[0] if self.plan.servers else "device"
+            ran.append((where, int(x[0, 0, 0, 0])))
+            if contender_set_up is not None and len(ran) >= 12:
+                contender_set_up.set()
+            return {"frame": x[0, 0, 0, 0].copy()}, FrameTiming(latency=0.001 if where == "device" else latency)
+
+    monkeypatch.setattr(planner_module, "StagedRunner", Runner)
+    monkeypatch.setattr(planner_module, "SET_UP_GRACE", 0.05)
+    monkeypatch.setattr(device, "progress", lambda what: None, raising=False)
+    rates = Rates({"s0": 4e9, "s1": 4e9}, [1e6], 0.001, 1e9, 1e8, 0.0005)
+    monkeypatch.setattr(device.measured, "_rates", rates)
+    return ran, offload_plan(device.costs, rates, "s0"), offload_plan(device.costs, rates, "s1")
+
+
+def test_the_first_plan_timed_runs_its_settle_frames_before_a_contender_is_set_up(device, monkeypatch):
+    """A cold start's first results come from the predicted best plan, steadily: once it is timed, it runs
+    SETTLE_FRAMES more live frames before the next candidate's set-up begins."""
+    monkeypatch.setattr(planner_module, "SETTLE_FRAMES", 5)
+    ran, first, contender = _two_plans(device, monkeypatch, latency=1e-5)
+    runs = planner_module._PlanRuns(device, planner_module.LiveFrames(_frames(20), lambda result, predicted: None))
+    runs.time(first, frames=2, warm_up=False)
+    runs.set_up(contender)
+    assert ran == [("s0", i) for i in range(2 + 5)] + [("set-up", -1)]
+
+
+def test_a_plan_slower_than_the_device_meanwhile_sends_the_frames_to_the_device(device, monkeypatch):
+    """Where a frame of the plan timed takes longer during a set-up than the device alone is predicted to (a weak
+    device's CPU goes to the models), the next frames of that set-up run on the device alone."""
+    monkeypatch.setattr(planner_module, "SETTLE_FRAMES", 0)
+    ran, first, contender = _two_plans(device, monkeypatch, latency=1e-5, contender_set_up=threading.Event())
+    runs = planner_module._PlanRuns(device, planner_module.LiveFrames(_frames(30), lambda result, predicted: None))
+    runs.time(first, frames=2, warm_up=False)
+    slow = planner_module.local_plan(device.costs, device.measured.rates()).predicted * 2
+    monkeypatch.setattr(runs, "_timed", {k: 1e-5 for k in runs._timed})  # timed fast; slow from now on
+    original = runs._frame
+
+    def slowed(runner):
+        original(runner)
+        return slow if runner.plan.servers else 0.001
+
+    monkeypatch.setattr(runs, "_frame", slowed)
+    runs.set_up(contender)
+    meanwhile = [where for where, _ in ran[3:]]
+    assert meanwhile[0] == "s0" and set(meanwhile[1:]) == {"device"}, ran
