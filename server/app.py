@@ -23,7 +23,7 @@ from deepco_server.budgets import (
 from deepco_server.dataplane import Admission, ServerState
 from deepco_server.metrics import Metrics, ObservingInterceptor
 from deepco_server.model_checks import DEFAULT_MAX_REQUEST_BYTES
-from deepco_server.models import DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
+from deepco_server.models import CUDA_OPTIONS, DEFAULT_MAX_MODEL_BYTES, Registry, Runtime, choose_runtime
 from deepco_server.refusals import Refusals
 from deepco_server.security import ServerSecurity, TokenAuthInterceptor, metrics_warning, plaintext_warning
 from deepco_server.service import DeepcoServicer, InferenceServicer
@@ -245,8 +245,9 @@ def serve(config: ServeConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server = Server(config)
-    log.info("execution provider %s (device %s, --device %s), intra-op threads %s, max models %d, "
-             "max in-flight %d, runs at once %d", server.runtime.provider, server.runtime.device, config.device,
+    log.info("execution provider %s%s (device %s, --device %s), intra-op threads %s, max models %d, "
+             "max in-flight %d, runs at once %d", server.runtime.provider,
+             f" {CUDA_OPTIONS}" if server.runtime.device == "cuda" else "", server.runtime.device, config.device,
              config.threads or "ORT default", config.max_models, config.max_inflight, config.concurrent_runs)
     log.info("TLS %s, token %s, max model bytes %d, max request bytes %d, model lease %s, max queue %d, "
              "max held bytes %d, split-job peers %s, metrics %s",

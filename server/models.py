@@ -6,7 +6,9 @@ servicers map it to a gRPC status, so nothing here knows about gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
@@ -45,6 +47,10 @@ log = logging.getLogger("deepco.serve")
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+# Exact as the CPU (1e-4 of the largest output): ORT's CUDA provider computes convolutions in TF32 on Ampere and
+# later GPUs by default, which put an H100's ResNet-18 answers 1.06e-4 away from the CPU's; with TF32 off and
+# cuDNN's heuristic algorithm choice they are within 8e-7 (bench/results/gpu/, 2026-11-26).
+CUDA_OPTIONS = {"use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC"}
 DEVICES = ("auto", "cpu", "cuda")
 PLATFORM = "onnxruntime_onnx"  # Triton's platform name for ONNX Runtime models
 PROFILE_MAX_BYTES = 256 * 1024 * 1024  # Profile inputs are made on the server: bound their size as a message's
@@ -85,7 +91,7 @@ class Runtime:
     def session(self, model_bytes: bytes) -> ort.InferenceSession:
         """An ORT session for a serialized ONNX model (raises whatever ORT raises on a bad model)."""
         return ort.InferenceSession(model_bytes, sess_options=self.session_options(),
-                                    providers=list(self.providers))
+                                    providers=[(p, CUDA_OPTIONS) if p == CUDA else p for p in self.providers])
 
 
 def _probe_model() -> bytes:
@@ -115,7 +121,13 @@ def choose_runtime(device: str = "auto", threads: int = 0) -> Runtime:
                         f"(available: {', '.join(available)}); install onnxruntime-gpu")
     if device in ("auto", "cuda") and CUDA in available:
         wanted: tuple[str, ...] = (CUDA, CPU)
-        got = Runtime(wanted, threads, "cuda").session(_probe_model()).get_providers()
+        # ORT prints a five-line banner on falling back to the CPU, on stdout, whose one line is "listening on ..."
+        # (server.app); the outcome is said in one line below (or chosen silently for --device auto)
+        banner = io.StringIO()
+        with contextlib.redirect_stdout(banner):
+            got = Runtime(wanted, threads, "cuda").session(_probe_model()).get_providers()
+        if banner.getvalue().strip():
+            log.debug("onnxruntime on the CUDA probe session: %s", " ".join(banner.getvalue().split()))
         if CUDA in got:
             return Runtime(wanted, threads, "cuda")
         if device == "cuda":
