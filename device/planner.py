@@ -125,7 +125,8 @@ class StagedPlanner:
         return makers[name]()
 
     def calibrate(self, objective: str = "latency", frames: int = 2, rounds: int = 3,
-                  runoff_frames: int = 6, live: LiveFrames | None = None, standby: bool = False) -> StagedPlan:
+                  runoff_frames: int = 6, live: LiveFrames | None = None, standby: bool = False,
+                  first_on_device: bool = False) -> StagedPlan:
         """`deepco.planning.calibration.calibrate` on this device's servers: plans are timed on frames, the
         fitted compute scale and step overhead are kept here (`rates`), and every timing in ``trials``.
 
@@ -141,10 +142,14 @@ class StagedPlanner:
         for want of room is skipped with a one-line note, and the models of every plan that cannot be chosen
         any more are unloaded at once: calibration never holds more than the finalists' models. With
         ``standby`` the finalists' models stay loaded for the run (`standby`, given back when the device closes):
-        live adaptation switches to a plan on them without an upload from the device."""
+        live adaptation switches to a plan on them without an upload from the device. With ``first_on_device``
+        the first live frame runs on the device alone before the candidates are ranked (a weak camera ranks them
+        for seconds, and no plan can run before the whole model sent ahead has landed)."""
         self.room, self._unfit_told = self.free_slots(), False
         dev = self.device
         runs = _PlanRuns(dev, live or _BlankFrames(self._blank()))
+        if live is not None and first_on_device:  # the first result does not wait for the ranking (`_plan`)
+            runs.first_on_device()
         try:
             result = calibration.calibrate(
                 self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
@@ -420,6 +425,12 @@ class _PlanRuns:
                         return building.result()
                     if runner is not self._local and latency > self._local_seconds():
                         self._busy = True  # a set-up starves this device: its frames go to the device alone
+
+    def first_on_device(self) -> None:
+        """Run the next live frame on the device alone, its result handed on (nothing once the source has
+        ended)."""
+        with contextlib.suppress(SourceEnded):
+            self._frame(self._meanwhile())
 
     def _meanwhile(self) -> StagedRunner:
         """Where a live frame runs while a plan is set up: the fastest plan timed so far (set up, not released),

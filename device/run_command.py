@@ -355,9 +355,10 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
         choice = planner.choose_slo(args.max_latency / 1e3)
         plan, depth = choice.option.plan, choice.option.depth
     elif args.algorithm == "auto":  # calibrated on the run's first frames, which give their results as they go
-        send_whole_early(dev)  # the radio carries the whole model while the device plans
+        ahead = send_whole_early(dev)  # the radio carries the whole model while the device plans
         live = LiveFrames(feed, emit)  # calibration's finalists stay loaded for live adaptation (below)
-        plan = planner.calibrate(objective, live=live, standby=True)
+        plan = planner.calibrate(objective, live=live, standby=True,
+                                 first_on_device=ahead is not None and ahead.is_alive())
         cache.store(dev, plan, _unsettled(live))
         rest = None if live.ended else live.rest()
     else:

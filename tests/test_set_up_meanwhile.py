@@ -185,3 +185,16 @@ def test_a_plan_slower_than_the_device_meanwhile_sends_the_frames_to_the_device(
     runs.set_up(contender)
     meanwhile = [where for where, _ in ran[3:]]
     assert meanwhile[0] == "s0" and set(meanwhile[1:]) == {"device"}, ran
+
+
+def test_the_first_frame_can_run_on_the_device_before_any_plan(device, monkeypatch):
+    """`first_on_device` (a cold start whose whole model is still on its way): the first live frame runs on the
+    device alone and gives its result at once, before any plan is set up; with no frame left it does nothing."""
+    ran, first, _ = _two_plans(device, monkeypatch, latency=1e-5)
+    emitted: list[int] = []
+    runs = planner_module._PlanRuns(device, planner_module.LiveFrames(
+        _frames(1), lambda result, predicted: emitted.append(int(result.outputs["frame"]))))
+    runs.first_on_device()
+    assert ran == [("device", 0)] and emitted == [0]
+    runs.first_on_device()  # the source has ended
+    assert ran == [("device", 0)]
