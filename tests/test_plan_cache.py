@@ -24,7 +24,8 @@ from deepco.wire.client import InferenceClient
 
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 FRAMES = 40  # enough for calibration to settle on this net (a few plans, 3 frames each, then a runoff)
-SHORT = 3  # a warm-up and two timed frames: calibration logs its first plan, then the source ends
+SHORT = 4  # one on the device while the whole model is on its way (maybe), a warm-up and two timed frames: calibration
+# logs its first plan, then the source ends
 
 
 @pytest.fixture(scope="module")
