@@ -321,10 +321,13 @@ class Uploads:
         """Send whole model ``name`` to ``server``: in parts, at once, one over each antenna that reaches it at an
         address of its own (``routes``), each part in proportion to its antenna's bandwidth, where the server takes
         parts; else over ``client``. Two 8 Mbit/s antennas carry a ResNet-18 (45 MB) in ~23 s instead of ~45."""
-        routes = [(c, w) for c, w in self.routes(server) if w > 0]
-        if len(routes) < 2 or len(whole) < 2 * MIN_PART_BYTES or PARTS not in self._extensions_of(server, client):
+        def over_one() -> None:
             self._send(client, whole, name, len(whole),
                        call=lambda: client.load_model(whole, name, sha256=digest, whole=True))
+
+        routes = [(c, w) for c, w in self.routes(server) if w > 0]
+        if len(routes) < 2 or len(whole) < 2 * MIN_PART_BYTES or PARTS not in self._extensions_of(server, client):
+            over_one()
             return
         total, weight, ends, acc = len(whole), sum(w for _, w in routes), [], 0.0
         for _, w in routes:
@@ -347,8 +350,7 @@ class Uploads:
         except ServerError as exc:  # an antenna's channel failed: the plan's own antenna carries it all
             self.log(f"warning: whole model to {server} in parts over {len(parts)} antennas failed "
                      f"({exc.code.name}); sending it over one")
-            self._send(client, whole, name, len(whole),
-                       call=lambda: client.load_model(whole, name, sha256=digest, whole=True))
+            over_one()
 
     def _fetch_whole(self, client: InferenceClient, whole: bytes, name: str, digest: str, server: str) -> bool:
         """Have ``server`` (through ``client``) fetch the whole model ``name`` from another server this device

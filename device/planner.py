@@ -405,7 +405,7 @@ class _PlanRuns:
             with contextlib.suppress(SourceEnded):
                 for _ in range(SETTLE_FRAMES):
                     self._frame(runner)
-        grace = max(SET_UP_GRACE, local_plan(self.device.costs, self.device.measured.rates()).predicted)
+        grace = max(SET_UP_GRACE, self._local_seconds())
         told = False
         with ThreadPoolExecutor(1, thread_name_prefix="deepco-set-up") as pool:
             building = pool.submit(StagedRunner, self.device, plan)
