@@ -5,7 +5,7 @@ losing a frame.
   send times) becomes one sample per rate: a server's compute, an antenna's transfer (not when paced: pacing
   makes it exact), the device's own compute (local, or the tail on the device), each as seconds taken over
   seconds setup's rate gives (an antenna's: over its bytes' seconds alone; the request's fixed cost stays in
-  the time taken, and the estimator moves that stream by differences, so that it cancels).
+  the time taken, and the estimator takes it out of both sides of a change, `deepco.planning.live_rates.moved`).
   `deepco.planning.live_rates.LiveRates` watches them for change points.
 - **Re-planning.** On a change point (or a server back from down), ``propose(down, rates)`` makes the plan
   the cost model prefers on the current rates (auto: the staged planner's best; a paper plan: the same

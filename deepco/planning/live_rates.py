@@ -20,8 +20,9 @@ marshal the bytes, the events' way back. Its size is not known per plan (it is m
 one byte), and in a ratio of medians it dilutes the change: a tenfold drop of a link whose fixed part is as
 long as its bytes' time reads as 5.5x. So the streams named in ``ADDITIVE`` (``antenna m``: samples are
 seconds taken over the seconds setup's bandwidth gives the *bytes alone*, i.e. fixed + slowness) move by the
-*difference* of medians instead: the fixed part is the same on both sides of the change and cancels there,
-as a plan's bias cancels in the ratio of a compute stream.
+ratio of their medians less the fixed part (`moved`), which is the same on both sides of the change: the part
+of the reference beyond the bytes' time at the factor it had then, or none where the reference is below that
+(the link ran faster than setup's probe said).
 
 A single outlier never makes every recent sample agree, and a real step has after ``window`` samples of the
 new level: a change is seen at its ``window``-th sample, while a long moving average would take tens of frames
@@ -43,9 +44,20 @@ WINDOW = 3  # recent samples tested against the reference
 HISTORY = 15  # reference samples kept
 THRESHOLD = 0.35  # every recent sample 35% beyond the reference's range, the same way, is a change point
 REFERENCE = 5  # reference samples needed before a test
-ADDITIVE = ("antenna ",)  # streams with a fixed part in every sample: their level moves by differences (module doc)
+ADDITIVE = ("antenna ",)  # streams with a fixed part in every sample: it cancels (`moved`)
 LEAST_STEP = 1 / 16  # an additive level never falls below this share of the last one in one change (noise on a
-# fixed part larger than the bytes' time could make a difference of medians say "faster than infinitely fast")
+# fixed part larger than the bytes' time could make the medians less it say "faster than infinitely fast")
+
+
+def moved(before: float, origin: float, median: float) -> float:
+    """An additive stream's new factor: ``before`` at its first reference median ``origin``, now ``median`` (in
+    samples: seconds taken over the bytes' seconds at setup's rate). The fixed part is what the reference held
+    beyond the bytes' time at ``before``, and never less than nothing: a link that runs faster than setup's
+    probe said (tc's token bucket lets the first tens of kilobytes of a frame through at once; an operator's
+    link can burst too) has a reference *below* ``before``, and a difference from there would read a tenfold
+    rise as 2x. So the factor moves by the ratio of the medians less that fixed part."""
+    fixed = max(0.0, origin - before)
+    return before * (median - fixed) / (origin - fixed)
 
 
 @dataclass(frozen=True)
@@ -139,8 +151,8 @@ class LiveRates:
             if factor is None:
                 continue
             before, was = self._before.get(key, 1.0), self.factor(key)
-            if key.startswith(ADDITIVE):  # fixed part + slowness: the difference of medians is the slowness's
-                self.factors[key] = max(before + detector.median - detector.origin, was * LEAST_STEP)
+            if key.startswith(ADDITIVE):  # fixed part + slowness: the fixed part cancels (module doc)
+                self.factors[key] = max(moved(before, detector.origin, detector.median), was * LEAST_STEP)
                 factor = self.factors[key] / was
             else:
                 self.factors[key] = before * detector.level
