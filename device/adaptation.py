@@ -138,7 +138,8 @@ class Adaptation:
         base = self.device.rates().antenna_bytes_per_second
         for m in sorted(set(range(len(base))) - set(running.antennas)):
             try:
-                now = self.device.measure_antenna(m)
+                with self.device.uploads.busy():
+                    now = self.device.measure_antenna(m)
             except UserError:  # its server busy or gone: planned on what is known
                 continue
             self.live.measured(f"antenna {m}", base[m] / now)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -129,7 +130,10 @@ class Uploads:
         self._unfetchable: set[str] = set()  # servers whose whole model a peer failed to fetch
         self._direct: dict[str, int] = {}  # server -> bytes of stage models uploaded there instead of derived
         self._sent = 0  # bytes sent in model loads (`sent_bytes`)
-        self._loading = 0  # model loads under way (`quiet_since`)
+        self._loading = 0  # model loads and measurements under way (`quiet_since`)
+        # the servers the running plan's frames use: a whole model is fetched from a peer outside them if one
+        # holds it (a 45 MB send took a 0.45-core server's frames from 80 ms to 1.3 s)
+        self.serving: set[str] = set()
         self._quiet_since = 0.0  # perf_counter when the last one ended
         self._lock = threading.Lock()
 
@@ -186,12 +190,25 @@ class Uploads:
             return self._sent
 
     def quiet_since(self) -> float | None:
-        """When (time.perf_counter) this device's last model load ended; None while one is under way. A frame
-        that overlapped a load shared the antennas and the device's CPU with it: its times measure this
-        device's own uploads, not the network (live adaptation once read a trial's upload over an 8 Mbit/s
-        radio as the antennas 3.2x slower, and tried a plan for that, whose upload slowed the frames again)."""
+        """When (time.perf_counter) this device's last model load or measurement (`busy`) ended; None while one
+        is under way. A frame that overlapped one shared the antennas and the device's CPU with it: its times
+        measure this device's own work, not the network (live adaptation once read a trial's upload over an 8
+        Mbit/s radio as the antennas 3.2x slower, and a joining server's measurement as an antenna 7.8x slower)."""
         with self._lock:
             return None if self._loading else self._quiet_since
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """While this runs, frames measure nothing (`quiet_since`): a measurement of a server or an antenna
+        beside the live frames."""
+        with self._lock:
+            self._loading += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loading -= 1
+                self._quiet_since = time.perf_counter()
 
     def _send(self, client: InferenceClient, model_bytes: bytes, name: str, nbytes: int,
               call: Callable[[], None] | None = None) -> None:
@@ -200,16 +217,11 @@ class Uploads:
         def counted() -> None:
             with self._lock:
                 self._sent += nbytes
-                self._loading += 1
-            try:
+            with self.busy():
                 if call is not None:
                     call()
                 else:
                     client.load_model(model_bytes, name, sha256=self.digest(model_bytes))
-            finally:
-                with self._lock:
-                    self._loading -= 1
-                    self._quiet_since = time.perf_counter()
 
         load_with_room(client, model_bytes, name, call=counted)
 
@@ -379,9 +391,10 @@ class Uploads:
 
     def _holder(self, name: str, server: str) -> str | None:
         """A server other than ``server`` this device loaded whole model ``name`` on and that no fetch failed
-        from, or None (called with the lock held)."""
-        return next((holder for holder, held in self._wholes if held == name and holder != server
-                     and holder not in self._unfetchable), None)
+        from, one the running plan's frames do not use first (`serving`), or None (called with the lock held)."""
+        holders = [holder for holder, held in self._wholes if held == name and holder != server
+                   and holder not in self._unfetchable]
+        return min(holders, key=lambda holder: holder in self.serving, default=None)
 
     def reload(self, client: InferenceClient, model_bytes: bytes, base: str) -> str:
         """Load ``model_bytes`` again on ``client``'s server, which lost them while this device held them (its

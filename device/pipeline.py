@@ -61,7 +61,7 @@ def run_one(health: Health, inflight, frame: Frame) -> FrameResult:
     result = FrameResult(frame.index, captured=frame.captured)
     x = frame.pixels
     began = time.perf_counter()
-    health.rejoin()
+    health.rejoin_soon()
     recovered_from = None
     for _ in range(MAX_RETRIES + 1):
         current = health.current()

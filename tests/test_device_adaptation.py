@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from deepco_device.adaptation import Adaptation
+from deepco_device.lifecycle import Uploads
 from deepco_device.planner import StagedPlanner
 from deepco_device.preprocess import normalise
 from deepco_device.runners import StagedRunner
@@ -303,7 +304,7 @@ def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_b
     costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
     probed: list[int] = []
     device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates,
-                             measure_antenna=lambda m: probed.append(m) or 1.25e6)
+                             measure_antenna=lambda m: probed.append(m) or 1.25e6, uploads=Uploads())
     plan = offload_plan_on("s0", 0)
     adapt = Adaptation(device, lambda down, r: [plan], seconds=lambda p, r: 1.0)
     for _ in range(12):

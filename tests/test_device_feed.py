@@ -98,7 +98,7 @@ class FakeRunner:
 
 
 def fake_health(runner) -> SimpleNamespace:
-    return SimpleNamespace(rejoin=lambda: None, current=lambda: runner, observe=lambda current, timing: None,
+    return SimpleNamespace(rejoin_soon=lambda: None, current=lambda: runner, observe=lambda current, timing: None,
                            waiting_for=lambda: "", device=SimpleNamespace(down=set()))
 
 
