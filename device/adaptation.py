@@ -32,10 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deepco_device.cpu_share import Pacer
 from deepco_device.records import FrameTiming
 
 from deepco.errors import UserError
 from deepco.planning.live_rates import Change, LiveRates, work_of
+from deepco.planning.pacing import paced
 from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, same_plan
 
 if TYPE_CHECKING:
@@ -176,12 +178,14 @@ class Adaptation:
         return out
 
     def candidate(self, running: StagedPlan, down: set[str], why: str, margin: float | None = None,
-                  quick: bool = True) -> Trial | None:
+                  quick: bool = True, gentle: bool = False) -> Trial | None:
         """A trial of the plan the current rates suggest, if the cost model predicts it better than ``running``
         by ``margin`` (default: the adaptation's; None returned: keep running). With ``quick`` (and a margin of
         0 or more: a server back needs a plan with it), one of the plans already on the servers (`known`) that
         is predicted better comes first, without a search (a weak camera takes seconds to search while frames
-        run slow): its trial's ``cause`` asks for the search after it."""
+        run slow): its trial's ``cause`` asks for the search after it. ``gentle``: nothing got slower (a server
+        back, a link faster), so the search leaves most of the camera's CPU to the frames
+        (deepco.planning.pacing; `device.cpu_share.Pacer`) rather than hurry."""
         margin = self.margin if margin is None else margin
         self.probe_unseen(running)
         rates = self.rates()
@@ -192,7 +196,9 @@ class Adaptation:
                 new = self.seconds(fast, rates)
                 return Trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
                                    "the servers already)", self.frames, cause=why)
-        plan, held = self.choose(self.propose(down, rates), rates)
+        with paced(Pacer() if gentle else None):
+            proposed = self.propose(down, rates)
+        plan, held = self.choose(proposed, rates)
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
         new = self.seconds(plan, rates)

@@ -182,7 +182,7 @@ class Health:
             else:
                 self.device.log(f"server {name} is back")
         if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
-            self._consider(f"{', '.join(back)} back", margin=-math.inf)
+            self._consider(f"{', '.join(back)} back", margin=-math.inf, gentle=True)
 
     def _measured(self, server: str) -> bool:
         """Whether ``server``, which answers again, can be planned on: one down since the start is measured
@@ -216,7 +216,8 @@ class Health:
         if changes:
             self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
                                        "at": time.perf_counter()})
-            self._consider(", ".join(c.describe() for c in changes))
+            # nothing got slower (a link faster): the search need not take the frames' CPU
+            self._consider(", ".join(c.describe() for c in changes), gentle=all(c.factor < 1 for c in changes))
 
     def _quiet(self, timing: FrameTiming) -> bool:
         """Whether the frame just ended (``timing``) ran while this device loaded no model: only such frames
@@ -224,10 +225,10 @@ class Health:
         quiet = self.device.uploads.quiet_since()
         return quiet is not None and time.perf_counter() - timing.latency >= quiet
 
-    def _consider(self, why: str, margin: float | None = None, quick: bool = True) -> None:
+    def _consider(self, why: str, margin: float | None = None, quick: bool = True, gentle: bool = False) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
         for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
-        once its models are on the servers."""
+        once its models are on the servers. ``gentle``: as `Adaptation.candidate`'s."""
         with self.lock:
             if self.trial is not None or self._considering:
                 if margin == -math.inf:  # servers back: tried once the trial under way is decided
@@ -237,7 +238,7 @@ class Health:
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
-        self.background(self._propose, running, down, why, margin, quick)
+        self.background(self._propose, running, down, why, margin, quick, gentle)
 
     def _next(self) -> None:
         """A trial was decided (or none made): the servers that came back meanwhile are tried now, or else the
@@ -247,15 +248,16 @@ class Health:
             why, self._joins_waiting = self._joins_waiting, None
             change, self._changes_waiting = self._changes_waiting, None
         if why is not None:  # planned on the current rates: the change is covered too
-            self._consider(why, margin=-math.inf)
+            self._consider(why, margin=-math.inf, gentle=True)
         elif change is not None:
             self._consider(change)
 
-    def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True) -> None:
+    def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True,
+                 gentle: bool = False) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
         trial = None
         try:
-            trial = self.adapt.candidate(running.plan, down, why, margin, quick)
+            trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle)
             if trial is not None:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent

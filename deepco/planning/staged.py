@@ -39,6 +39,7 @@ from deepco.errors import UserError
 from deepco.planning import overlap as overlapping
 from deepco.planning import scales
 from deepco.planning.bands import ownership, receives
+from deepco.planning.pacing import pace
 from deepco.planning.plan import PlanningError
 
 Interval = tuple[int, int]
@@ -730,6 +731,7 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
         back[(k, 1)] = None
     for s in range(2, limit + 1):
         for k in range(n_cuts):
+            pace()
             for prev in range(k):
                 if best[prev][s - 1] == inf:
                     continue
@@ -829,6 +831,7 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
             candidates.append(round_robin_plan(costs, rates, servers))
     ordered = _participants(rates, servers)
     for k in range(1, len(ordered) + 1):
+        pace()  # a caller beside live frames may yield the CPU here (deepco.planning.pacing)
         chosen = ordered[:k]
         if shapes == "all":
             candidates += _scales_candidates(costs, rates, chosen, algorithm)
@@ -844,6 +847,7 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
                 if shapes in ("thread", "modnn") and tail is not None:
                     continue
                 for levels in chains:
+                    pace()
                     plan = split_plan(costs, rates, chosen, levels, lookahead, tail, algorithm=algorithm)
                     if plan is not None:
                         candidates.append(plan)

@@ -1,0 +1,59 @@
+"""A search beside live frames yields the camera's CPU: the budget is read from the process's cgroups, the pace
+holds a thread to a share of it, and the search calls the pace without changing what it finds."""
+
+from __future__ import annotations
+
+import time
+
+from deepco_device.cpu_share import Pacer, cpu_budget
+
+from deepco.partition import Partitioner, load_model
+from deepco.planning.pacing import paced
+from deepco.planning.staged import CostModel, Rates, search
+
+
+def test_the_budget_is_the_tightest_quota_along_the_cgroup_path(tmp_path):
+    """cgroup v1 (cpu.cfs_quota_us over cpu.cfs_period_us, -1 unlimited) and v2 (cpu.max), a parent's limit
+    binding a child's; no quota at all leaves the CPUs the process may run on."""
+    v1 = tmp_path / "v1"
+    for path, quota in (("cpu", -1), ("cpu/testbed", 40000), ("cpu/testbed/device", 100000)):
+        (v1 / path).mkdir(parents=True)
+        (v1 / path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (v1 / path / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "cgroup-v1"
+    proc.write_text("4:memory:/x\n1:cpu:/testbed/device\n0::/\n")
+    assert cpu_budget(proc, v1) == 0.4
+
+    v2 = tmp_path / "v2"
+    (v2 / "camera").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "camera" / "cpu.max").write_text("10000 100000\n")
+    proc.write_text("0::/camera\n")
+    assert cpu_budget(proc, v2) == 0.1
+    proc.write_text("0::/\n")
+    assert cpu_budget(proc, v2) >= 1.0  # no quota: the CPUs
+
+
+def test_a_pacer_holds_a_thread_to_its_share_of_the_budget():
+    pacer = Pacer(share=0.5, cores=0.4)  # at most 0.2 s of CPU per second of wall time
+    pacer()
+    began, cpu0 = time.monotonic(), time.thread_time()
+    while time.thread_time() - cpu0 < 0.1:
+        sum(range(10_000))
+        pacer()
+    wall = time.monotonic() - began
+    assert wall >= 0.45  # 0.1 s of CPU at 0.2 s a second: half a second, not a tenth
+
+
+def test_a_paced_search_yields_between_candidates_and_finds_the_same_plans():
+    costs = CostModel(Partitioner(load_model("resnet18", 64, 64), 64, 64), 3 * 64 * 64, 4000)
+    rates = Rates({"s0": 4e10, "s1": 3e10}, [12.5e6, 12.5e6], 0.005, 1e10, 1e8, 0.001)
+    calls = []
+    with paced(lambda: calls.append(1)):
+        yielded = search(costs, rates, ["s0", "s1"])
+    plain = search(costs, rates, ["s0", "s1"])
+    assert len(calls) > 10
+    assert [p.to_dict() for p in yielded] == [p.to_dict() for p in plain]
+    calls.clear()
+    search(costs, rates, ["s0", "s1"])
+    assert calls == []  # no pace set: none called
