@@ -8,8 +8,9 @@ Scenarios (`CHANGES`):
   share;
 - ``server-join``: the last server of the cluster file is down at the start (the device sets up and calibrates
   on the others) and comes up after the first phase;
-- ``contention``: a second device (its own CPU share, the same antennas: one radio cell) starts `deepco run
-  --algorithm auto` on the same servers after the first phase and runs to the end.
+- ``contention``: a second device (its own CPU share, the same antennas: one radio cell; `deepco run
+  --algorithm auto`), set up on the same servers before the first device starts and then paused, goes on
+  streaming after the first phase and runs to the end (`Contention`).
 
 One run of `deepco run --algorithm auto` (live adaptation on) streams the frames of a clip in the testbed's
 device namespace, one in flight. Its first frames calibrate (live calibration: they are results too); once
@@ -182,8 +183,8 @@ class Conditions:
     def __init__(self, tb: Testbed, args: argparse.Namespace, shares: list[float], servers: list):
         self.tb, self.args, self.shares, self.servers = tb, args, shares, servers
 
-    def begin(self) -> None:
-        pass
+    def begin(self, runs: Runs) -> None:
+        """Before the scenario's run starts."""
 
     def change(self, records: list[dict], runs: Runs) -> str:
         raise NotImplementedError
@@ -255,14 +256,22 @@ class Join(Conditions):
 
 
 class Contention(Conditions):
-    """A second device starts on the same servers (and runs on to the end)."""
+    """A second device streams to the same servers (and runs on to the end). It sets up (measures, uploads its
+    models, calibrates on its frames) before the first device starts, and pauses (SIGSTOP); the change is that
+    it goes on (SIGCONT). So the change is a step of load on the servers, as when a second camera starts
+    streaming: its own half minute of start-up on a tenth of a core (imports, measurements, uploads, trial
+    plans) is not part of the change, which it would otherwise spread over hundreds of the first device's
+    frames as a moving load that no reference measures."""
 
     second: subprocess.Popen | None = None
 
+    def begin(self, runs: Runs) -> None:
+        self._start(runs, frames=5)
+        self.second.send_signal(signal.SIGSTOP)
+
     def change(self, records: list[dict], runs: Runs) -> str:
-        self.second, _ = runs.start("second-device", 100_000, "--algorithm", "auto", "--quiet",
-                                    group=self.tb.add_device("2"), source=PHOTO)  # a photo: repeated, no end
-        return "a second device starts deepco run --algorithm auto on the same servers"
+        self.second.send_signal(signal.SIGCONT)
+        return "a second device (set up before the first, then paused) streams to the same servers"
 
     def undo(self) -> None:
         if self.second is not None:
@@ -270,10 +279,17 @@ class Contention(Conditions):
             self.second = None
 
     def redo(self, runs: Runs) -> None:
-        """The second device again, and until it has calibrated (its plan is what it loads the servers with)."""
-        self.change([], runs)
-        log = runs.workdir / "second-device.jsonl"
-        runs.wait_for(self.second, log, lambda records, printed: calibration_frames(printed) is not None)
+        """The second device again, until it has calibrated (its plan is what it loads the servers with)."""
+        self._start(runs)
+
+    def _start(self, runs: Runs, frames: int = 0) -> None:
+        """Start the second device (a photo as its source: repeated, no end) and wait until it has run
+        ``frames`` frames after its calibration."""
+        self.second, log = runs.start("second-device", 100_000, "--algorithm", "auto", "--quiet",
+                                      group=self.tb.add_device("2"), source=PHOTO)
+        runs.wait_for(self.second, log, lambda records, printed: _past_calibration(records, printed, frames))
+        if self.second.poll() is not None:
+            raise UserError(f"scenario: the second device ended: {runs.printed(log).strip()[-400:]}")
 
 
 CHANGES: dict[str, type[Conditions]] = {"bandwidth-drop": Bandwidth, "bandwidth-rise": Bandwidth,
@@ -352,7 +368,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
     """The scenario's run of auto: the change applied once ``--phase-frames`` frames after calibration are
     logged; its records, where it changed, and what it lost."""
     args = runs.args
-    cond.begin()
+    cond.begin(runs)
     proc, log = runs.start("scenario", frames, "--algorithm", "auto", "--save-outputs",
                            str(runs.workdir / "scenario.npz"), "--save-plan", str(runs.workdir / "auto-plan.json"))
     before = runs.wait_for(proc, log, lambda records, printed: _past_calibration(records, printed, args.phase_frames))
