@@ -148,3 +148,18 @@ def test_gantt_draws_autos_median_frame_and_prints_its_step_split(tmp_path, monk
     args = parser.parse_args(["--algorithms", "local,offload", "--gantt", str(path)])
     with pytest.raises(UserError, match="--gantt draws auto's frame"):
         bench_command.run(args)
+
+
+def test_a_runs_log_is_read_from_where_the_last_look_ended(tmp_path):
+    """Waiting on a scenario's run, the bench reads only what its log gained (whole lines): it once parsed the
+    whole log every 50 ms, outside the testbed's quotas."""
+    from deepco_bench.scenarios import Tail
+
+    log = tmp_path / "run.jsonl"
+    tail = Tail(log)
+    assert tail.read() == []  # not written yet
+    log.write_text('{"frame": 0}\n{"fra')
+    assert tail.read() == ['{"frame": 0}']  # the half-written line waits
+    with log.open("a") as f:
+        f.write('me": 1}\n')
+    assert tail.read() == ['{"frame": 0}', '{"frame": 1}']

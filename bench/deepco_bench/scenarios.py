@@ -88,11 +88,36 @@ def _past_calibration(records: list[dict], printed: str, frames: int) -> bool:
     return calibrated is not None and len(records) >= calibrated + frames
 
 
-def _logged(log: Path) -> list[dict]:
+def _frames(lines: list[str]) -> list[dict]:
     """The frames' lines of a run's JSON log (not its servers' down and up events)."""
-    if not log.exists():
-        return []
-    return [r for x in log.read_text().splitlines() if x.endswith("}") and "frame" in (r := json.loads(x))]
+    return [r for x in lines if x.endswith("}") and "frame" in (r := json.loads(x))]
+
+
+def _logged(log: Path) -> list[dict]:
+    """Every frame a run's JSON log holds."""
+    return _frames(log.read_text().splitlines()) if log.exists() else []
+
+
+class Tail:
+    """A growing file, read from where the last look ended (whole lines only). Waiting on a run, the bench
+    looks every POLL seconds: reading and parsing the whole log each time took a good part of a core by the
+    end of a run, outside every quota, on a machine whose two cores the testbed's quotas nearly fill."""
+
+    def __init__(self, path: Path):
+        self.path, self._offset, self.lines = path, 0, []
+
+    def read(self) -> list[str]:
+        """Every whole line so far."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                new = f.read()
+        except FileNotFoundError:
+            return self.lines
+        end = new.rfind(b"\n") + 1
+        self._offset += end
+        self.lines += new[:end].decode().splitlines()
+        return self.lines
 
 
 class Runs:
@@ -116,9 +141,12 @@ class Runs:
     def wait_for(self, proc: subprocess.Popen, log: Path, ready: Callable[[list[dict], str], bool]) -> list[dict]:
         """Poll until ``ready(logged records, printed text)`` or the run ends; the records logged then."""
         deadline = time.monotonic() + self.args.timeout
+        logged, out = Tail(log), Tail(log.with_suffix(".out"))
+        records: list[dict] = []
         while True:
-            records, printed = _logged(log), self.printed(log)
-            if ready(records, printed) or proc.poll() is not None:
+            seen = len(logged.lines)
+            records += _frames(logged.read()[seen:])
+            if ready(records, "\n".join(out.read())) or proc.poll() is not None:
                 return records
             if time.monotonic() > deadline:
                 raise UserError(f"scenario: {log.stem} made no progress within --timeout {self.args.timeout:g} s")
