@@ -196,7 +196,8 @@ class Adaptation:
                 new = self.seconds(fast, rates)
                 return Trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
                                    "the servers already)", self.frames, cause=why)
-        with paced(Pacer() if gentle else None):
+        # the frames meanwhile share the camera's CPU with the search: they measure it, not the network
+        with self.device.uploads.busy(), paced(Pacer() if gentle else None):
             proposed = self.propose(down, rates)
         plan, held = self.choose(proposed, rates)
         if same_plan(plan.to_dict(), running.to_dict()):
