@@ -34,15 +34,35 @@ def test_the_budget_is_the_tightest_quota_along_the_cgroup_path(tmp_path):
     assert cpu_budget(proc, v2) >= 1.0  # no quota: the CPUs
 
 
-def test_a_pacer_holds_a_thread_to_its_share_of_the_budget():
-    pacer = Pacer(share=0.5, cores=0.4)  # at most 0.2 s of CPU per second of wall time
-    pacer()
-    began, cpu0 = time.monotonic(), time.thread_time()
-    while time.thread_time() - cpu0 < 0.1:
-        sum(range(10_000))
+def test_a_pacer_holds_a_thread_to_what_the_other_threads_leave_of_the_budget():
+    """Alone, a paced thread takes ``share`` of the budget; beside threads that use all of it (the live frames
+    on a weak camera), only ``floor`` of it."""
+    import threading
+
+    def paced_work(pacer: Pacer, cpu: float) -> float:
         pacer()
-    wall = time.monotonic() - began
-    assert wall >= 0.45  # 0.1 s of CPU at 0.2 s a second: half a second, not a tenth
+        began, cpu0 = time.monotonic(), time.thread_time()
+        while time.thread_time() - cpu0 < cpu:
+            sum(range(2_000))
+            pacer()
+        return time.monotonic() - began
+
+    assert paced_work(Pacer(share=0.5, cores=0.4), 0.1) >= 0.45  # 0.1 s of CPU at 0.2 s a second
+
+    stop = threading.Event()
+
+    def frames() -> None:
+        while not stop.is_set():
+            sum(range(2_000))
+
+    busy = threading.Thread(target=frames)
+    busy.start()
+    try:
+        took = paced_work(Pacer(share=0.9, floor=0.1, cores=0.4), 0.01)  # the other thread takes over 0.36 core
+    finally:
+        stop.set()
+        busy.join()
+    assert took >= 0.2  # 0.01 s of CPU at the floor, 0.04 s a second: a quarter of a second
 
 
 def test_a_paced_search_yields_between_candidates_and_finds_the_same_plans():
