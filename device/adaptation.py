@@ -37,7 +37,7 @@ from deepco_device.records import FrameTiming
 
 from deepco.errors import UserError
 from deepco.planning.live_rates import Change, LiveRates, work_of
-from deepco.planning.pacing import paced
+from deepco.planning.pacing import pace, paced
 from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, same_plan
 
 if TYPE_CHECKING:
@@ -198,8 +198,7 @@ class Adaptation:
                                    "the servers already)", self.frames, cause=why)
         # the frames meanwhile share the camera's CPU with the search: they measure it, not the network
         with self.device.uploads.busy(), paced(Pacer() if gentle else None):
-            proposed = self.propose(down, rates)
-        plan, held = self.choose(proposed, rates)
+            plan, held = self.choose(self.propose(down, rates), rates)
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
         new = self.seconds(plan, rates)
@@ -220,7 +219,7 @@ class Adaptation:
         when it is predicted within ``margin`` of it; and whether the one chosen is such a plan."""
         plans = [proposed] if isinstance(proposed, StagedPlan) else list(proposed)
         best = plans[0]
-        held = next((p for p in plans[:WARM_LOOKED_AT] if self.warm(p)), None)
+        held = next((p for p in plans[:WARM_LOOKED_AT] if pace() or self.warm(p)), None)  # warm extracts models
         if held is not None and self.seconds(held, rates) <= self.seconds(best, rates) * (1 + self.margin):
             return held, True
         return best, held is best

@@ -16,6 +16,8 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup")
 SHARE = 0.9  # of the camera's CPU budget, what a paced search and the live frames may take together
 FLOOR = 0.05  # of the budget, what a paced search takes however busy the frames are (so that it ends)
+CEILING = 0.25  # of the budget, what a paced search takes however idle: the frames' need comes in bursts (a
+# send, a decode), and a quota spent early in its period makes them wait for the next one
 
 
 def _limits(directory: Path, stop: Path) -> list[float]:
@@ -65,14 +67,15 @@ def cpu_budget(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = ROOT)
 class Pacer:
     """Called between units of work on one thread: sleeps while that thread's CPU time since the first call is
     over what it may take. It may take ``share`` of the camera's budget (``cores``, default `cpu_budget`) less
-    what the process's other threads (the live frames) used meanwhile, and never less than ``floor`` of the
-    budget, so that it ends. On the testbed's 0.1-core camera the frames use most of it: a search held to half
-    of the budget still took the frames around it from 90 to 150-290 ms (their sends waited for the quota's
-    next period)."""
+    what the process's other threads (the live frames) used meanwhile, never less than ``floor`` of the
+    budget, so that it ends, and never more than ``ceiling``. On the testbed's 0.1-core camera a search held to
+    half of the budget, or to what the frames' average use left, still took the frames around it from 90 to
+    150-450 ms (their sends waited for the quota's next period)."""
 
-    def __init__(self, share: float = SHARE, floor: float = FLOOR, cores: float | None = None):
+    def __init__(self, share: float = SHARE, floor: float = FLOOR, ceiling: float = CEILING,
+                 cores: float | None = None):
         self.budget = cpu_budget() if cores is None else cores
-        self.share, self.floor = share, floor
+        self.share, self.floor, self.ceiling = share, floor, ceiling
         self._start: tuple[float, float, float] | None = None  # wall, process CPU, this thread's CPU
 
     def __call__(self) -> None:
@@ -84,7 +87,8 @@ class Pacer:
             elapsed = time.monotonic() - wall0
             mine = time.thread_time() - mine0
             others = time.process_time() - process0 - mine
-            rate = max(self.floor * self.budget, self.share * self.budget - others / max(elapsed, 1e-3))
+            left = self.share * self.budget - others / max(elapsed, 1e-3)
+            rate = self.budget * min(self.ceiling, max(self.floor, left / self.budget))
             ahead = mine / rate - elapsed
             if ahead <= 0:
                 return

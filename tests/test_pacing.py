@@ -35,7 +35,7 @@ def test_the_budget_is_the_tightest_quota_along_the_cgroup_path(tmp_path):
 
 
 def test_a_pacer_holds_a_thread_to_what_the_other_threads_leave_of_the_budget():
-    """Alone, a paced thread takes ``share`` of the budget; beside threads that use all of it (the live frames
+    """Alone, a paced thread takes ``ceiling`` of the budget; beside threads that use all of it (the live frames
     on a weak camera), only ``floor`` of it."""
     import threading
 
@@ -47,7 +47,7 @@ def test_a_pacer_holds_a_thread_to_what_the_other_threads_leave_of_the_budget():
             pacer()
         return time.monotonic() - began
 
-    assert paced_work(Pacer(share=0.5, cores=0.4), 0.1) >= 0.45  # 0.1 s of CPU at 0.2 s a second
+    assert paced_work(Pacer(ceiling=0.5, cores=0.4), 0.1) >= 0.45  # 0.1 s of CPU at 0.2 s a second
 
     stop = threading.Event()
 
