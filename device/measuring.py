@@ -8,6 +8,7 @@ given.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -117,6 +118,13 @@ def probe_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+@functools.cache
+def probe_bytes() -> bytes:
+    """`probe_model` serialised, made once: a server that joins mid-run is probed beside the live frames, and
+    on a tenth of a core making it again takes tens of milliseconds of the camera's CPU from them."""
+    return probe_model().SerializeToString()
+
+
 def probe_shape(flops: float) -> tuple[list[int], float]:
     """The probe's input shape for about ``flops`` of work (at most ``PROBE_FLOPS``), and its exact FLOPs."""
     per_pixel = 2 * PROBE_CHANNELS * PROBE_CHANNELS * 9 * PROBE_CONVS
@@ -128,7 +136,7 @@ def server_rates(channels: Channels, reference: Cut, tag: str, skip: Collection[
     """FLOP/s of every server (but those in ``skip``) on the compute probe (`probe_model`), sized like the head
     up to ``reference`` (at most ``PROBE_FLOPS``); uploaded under a name of its own, since other devices may
     probe the same servers, and unloaded again."""
-    data = probe_model().SerializeToString()
+    data = probe_bytes()
     shape, flops = probe_shape(reference.head_flops)
     name = f"{tag}-probe-{uuid.uuid4().hex[:8]}"
     rates = {}
@@ -226,7 +234,7 @@ def measure(channels: Channels, partitioner: Partitioner, whole: ort.InferenceSe
     # these servers than the probe): the device times the probe too, and takes the servers' rates on the model
     # to be theirs on the probe at its own ratio (calibration fits what remains: the compute scale).
     shape, flops = probe_shape(reference.head_flops)
-    probe, probe_x = device_session(probe_model().SerializeToString()), np.zeros(shape, np.float32)
+    probe, probe_x = device_session(probe_bytes()), np.zeros(shape, np.float32)
     ratio = device_rate / (flops / sustained_seconds(lambda: probe.run(None, {"x": probe_x})))
     step("measuring the servers")
     rates = {k: v * ratio for k, v in server_rates(channels, reference, tag, skip).items()}

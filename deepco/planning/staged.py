@@ -727,14 +727,15 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
     best = [[inf] * (limit + 1) for _ in range(n_cuts)]
     back: dict[tuple[int, int], int | None] = {}
     for k in range(n_cuts):
+        pace()
         best[k][1] = _stage_seconds(costs, rates, chosen, None, cuts[k], True, lookahead)
         back[(k, 1)] = None
     for s in range(2, limit + 1):
         for k in range(n_cuts):
-            pace()
             for prev in range(k):
                 if best[prev][s - 1] == inf:
                     continue
+                pace()  # a stage's time is computed once per pair, a millisecond or so
                 t = best[prev][s - 1] + stage(prev, k)
                 if t < best[k][s]:
                     best[k][s], back[(k, s)] = t, prev
@@ -757,6 +758,7 @@ def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
     best = plan
     weights = [rates.speed(s) for s in plan.servers]
     for _ in range(REFINE_STEPS):
+        pace()
         stages = best.breakdown.get("stages")
         if not stages:
             break
