@@ -118,16 +118,25 @@ class Adaptation:
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
         self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
+        # whether the last change points made the running plan slower by more than ``margin`` (predicted): only
+        # then does the search for a way out hurry; else it yields the camera's CPU to the frames (``gentle``)
+        self.worse = False
 
     def rates(self) -> Rates:
         """The current rates: setup's (with calibration's fit) moved by every change point seen."""
         return self.live.rates(self.device.rates())
 
     def observe(self, plan: StagedPlan, timing: FrameTiming) -> list[Change]:
-        """Feed a frame of the running ``plan``; the change points it completes."""
+        """Feed a frame of the running ``plan``; the change points it completes (`worse` then says whether they
+        made ``plan`` slower)."""
+        before = dict(self.live.factors)
         changes = self.live.observe(self.samples(plan, timing))
         if any(c.key.startswith("antenna ") for c in changes):
             self._unseen_stale = True  # the radio changed: the antennas the plan leaves idle may have too
+        if changes:
+            base = self.device.rates()
+            was = self.seconds(plan, self.live.rates(base, before))
+            self.worse = self.seconds(plan, self.live.rates(base)) > was * (1 + self.margin)
         return changes
 
     def probe_unseen(self, running: StagedPlan) -> None:

@@ -216,8 +216,9 @@ class Health:
         if changes:
             self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
                                        "at": time.perf_counter()})
-            # nothing got slower (a link faster): the search need not take the frames' CPU
-            self._consider(", ".join(c.describe() for c in changes), gentle=all(c.factor < 1 for c in changes))
+            # the running plan no slower (a link faster, a server it leaves idle slower): the search need not
+            # take the frames' CPU
+            self._consider(", ".join(c.describe() for c in changes), gentle=not self.adapt.worse)
 
     def _quiet(self, timing: FrameTiming) -> bool:
         """Whether the frame just ended (``timing``) ran while this device loaded no model: only such frames

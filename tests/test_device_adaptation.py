@@ -317,3 +317,30 @@ def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_b
     assert adapt.candidate(plan, set(), changes[0].describe()) is None
     assert probed == [1]
     assert adapt.rates().antenna_bytes_per_second[1] == pytest.approx(1.25e6)
+
+
+@pytest.mark.parametrize(("frames", "worse"), [
+    ([(0.015, 0.120)] * 12 + [(0.015, 0.480)] * 4, True),  # the offload's own server 4x slower
+    ([(0.015, 0.120)] * 12 + [(0.002, 0.120)] * 4, False),  # its antenna faster
+])
+def test_a_change_says_whether_it_made_the_running_plan_slower(frames, worse):
+    """Only a change that makes the running plan slower (by the margin, as predicted) has its search hurry; any
+    other (a link faster, a server the plan leaves idle) yields the camera's CPU to the frames (a search at full
+    speed after a switch took the testbed's frames from 80 to 116-170 ms for ten frames)."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates)
+    plan = offload_plan_on("s0", 0)
+
+    def seconds(p, r):  # the offload's time on rates r: its bytes, then its work
+        return costs.input_bytes / r.antenna_bytes_per_second[0] + costs.total_flops / r.server_flops_per_second["s0"]
+
+    adapt = Adaptation(device, lambda down, r: [plan], seconds=seconds)
+    changes = []
+    for origin, compute in frames:
+        changes += adapt.observe(plan, _offload_frame(origin, origin, compute))
+    assert len(changes) == 1 and adapt.worse is worse

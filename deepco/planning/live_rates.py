@@ -179,12 +179,18 @@ class LiveRates:
         """How many times slower than setup measured ``key`` is now."""
         return self.factors.get(key, 1.0)
 
-    def rates(self, base: Rates) -> Rates:
-        """``base`` (setup's rates, with calibration's fit) with every rate divided by its factor."""
-        servers = {name: rate / self.factor(f"server {name}") for name, rate in base.server_flops_per_second.items()}
-        antennas = [rate / self.factor(f"antenna {m}") for m, rate in enumerate(base.antenna_bytes_per_second)]
+    def rates(self, base: Rates, factors: dict[str, float] | None = None) -> Rates:
+        """``base`` (setup's rates, with calibration's fit) with every rate divided by its factor (``factors``:
+        others than the current ones, e.g. a copy of `factors` taken before a change)."""
+        factors = self.factors if factors is None else factors
+
+        def factor(key: str) -> float:
+            return factors.get(key, 1.0)
+
+        servers = {name: rate / factor(f"server {name}") for name, rate in base.server_flops_per_second.items()}
+        antennas = [rate / factor(f"antenna {m}") for m, rate in enumerate(base.antenna_bytes_per_second)]
         return replace(base, server_flops_per_second=servers, antenna_bytes_per_second=antennas,
-                       device_flops_per_second=base.device_flops_per_second / self.factor("device"))
+                       device_flops_per_second=base.device_flops_per_second / factor("device"))
 
 
 @dataclass(frozen=True)

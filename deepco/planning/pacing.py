@@ -4,7 +4,8 @@ A camera searches for a better plan on a thread beside its live frames. On a wea
 (the testbed's: a tenth of a core) a search of about 0.1-0.25 s of full-speed CPU spends the quota of one
 period after another, and the frames' own few milliseconds wait for the next period: on the testbed the
 frames around a search took 190-360 ms instead of 80. Where the frames are not worse off than before (a
-server came back, a link got faster) the search need not hurry, so its caller sets a *pace* for its thread
+server came back, a link got faster, a server the running plan leaves idle got slower) the search need not
+hurry, so its caller sets a *pace* for its thread
 (`paced`), and `search` calls `pace()` between candidates. Where the running plan got slower, no pace is set:
 then finding the way out quickly is what counts.
 """
