@@ -11,7 +11,9 @@ import numpy as np
 from deepco_device.feed import Dropped
 from deepco_device.records import FrameResult
 
-LOGGED_EVENTS = ("down", "up")  # of the device's health events, those the JSON log gets (a line each)
+# of the device's health events, those the JSON log gets (a line each): servers down and up, and live
+# adaptation's change points, searches that kept the plan and switches (no printed line says a change point)
+LOGGED_EVENTS = ("down", "up", "change", "kept", "switch")
 
 
 class Report:
@@ -43,8 +45,8 @@ class Report:
                 print(f"frame {d.index}: dropped (late: a newer frame came before the pipeline had room)", flush=True)
 
     def log_events(self) -> None:
-        """Write the servers' comings and goings (the device's `down` and `up` events, device.health) that came
-        since the last call to the JSON log, their times made seconds from the run's start like the frames'."""
+        """Write the device's health events (`LOGGED_EVENTS`, device.health) that came since the last call to the
+        JSON log, their times made seconds from the run's start like the frames'."""
         new, self._logged_events = self.events[self._logged_events:], len(self.events)
         new = [event for event in new if event["event"] in LOGGED_EVENTS]
         if self.log_file and new:

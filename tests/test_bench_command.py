@@ -163,3 +163,21 @@ def test_a_runs_log_is_read_from_where_the_last_look_ended(tmp_path):
     with log.open("a") as f:
         f.write('me": 1}\n')
     assert tail.read() == ['{"frame": 0}', '{"frame": 1}']
+
+
+def test_live_adaptations_change_points_reach_the_json_log_and_the_scenario_report(tmp_path):
+    """A change point prints no line (a search that keeps the plan says nothing): the JSON log gets it, and the
+    scenario report lists it with the frame it came after."""
+    import io
+
+    from deepco_bench.scenarios import _change_points
+    from deepco_device.run_report import Report
+
+    log = io.StringIO()
+    report = Report(0.1, 1, log)
+    report.events = [{"event": "change", "what": ["server s0 4.00x slower"], "at": report.start + 1.0},
+                     {"event": "trial", "at": report.start + 1.1}]  # not a logged kind
+    report.log_events()
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"frame": 0}\n' + log.getvalue() + '{"frame": 1}\n')
+    assert _change_points(path) == [{"after_frame": 0, "what": ["server s0 4.00x slower"]}]

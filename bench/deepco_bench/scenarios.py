@@ -409,6 +409,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
     print(f"after frame {split - 1}: {changed}", flush=True)
     records = runs.finish(proc, log)
     adapted = _adaptation_lines(runs.printed(log))
+    changes = _change_points(log)
     errors = frame_errors(runs.workdir / "scenario.npz", args.model, args.input_size)
     failed = [r["error"] is not None for r in records]
     return {"change": changed, "calibration_frames": calibrated, "changed_after": split, "records": records,
@@ -417,6 +418,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
             "in_order": [r["frame"] for r in records] == list(range(len(records))),
             "max_relative_error": max(errors, default=float("nan")),
             "switches": [a for a in adapted if a["line"].startswith("switch: ")], "adaptation": adapted,
+            "change_points": changes,
             "latencies": [r["latency"] for r in records]}
 
 
@@ -441,6 +443,19 @@ def _phases(runs: Runs, cond: Conditions, auto_plan: Path, first: dict) -> dict:
 
 
 ADAPTATION_LINES = ("switch: ", "kept ", "adapt: ", "server ")  # switches, trials kept, joins and downs
+
+
+def _change_points(log: Path) -> list[dict]:
+    """Live adaptation's change points in a run's JSON log (they print no line), each with the last frame
+    logged before it."""
+    last, found = -1, []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if "frame" in record:
+            last = record["frame"]
+        elif record.get("event") == "change":
+            found.append({"after_frame": last, "what": record["what"]})
+    return found
 
 
 def _adaptation_lines(out: str) -> list[dict]:
@@ -515,6 +530,8 @@ def report(result: dict) -> str:
               f"frames lost: {m['lost']}; in order: {m['in_order']}; max relative error {m['max_relative_error']:.1e}"]
     for k, r in enumerate(runs):
         lines += [f"  repeat {k + 1}, after frame {s['after_frame']}: {s['line']}" for s in r["adaptation"]]
+        lines += [f"  repeat {k + 1}, after frame {c['after_frame']}: change point: {', '.join(c['what'])}"
+                  for c in r.get("change_points", [])]
     return "\n".join(lines)
 
 
