@@ -2,7 +2,8 @@
 losing a frame.
 
 - **Measuring.** Each frame's timing (device/records.py: the servers' own `StepTimes` and the device's
-  send times) becomes one sample per rate: a server's compute, an antenna's transfer (not when paced: pacing
+  send times) becomes one sample per rate: a server's compute (with its wait for a compute slot, which
+  another device's frames make), an antenna's transfer (not when paced: pacing
   makes it exact), the device's own compute (local, or the tail on the device), each as seconds taken over
   seconds setup's rate gives (an antenna's: over its bytes' seconds alone; the request's fixed cost stays in
   the time taken, and the estimator takes it out of both sides of a change, `deepco.planning.live_rates.moved`).
@@ -173,7 +174,9 @@ class Adaptation:
                 continue
             rate = base.server_flops_per_second.get(step.name)
             if rate and w.flops / rate > MIN_SAMPLE_SECONDS and step.compute > 0:
-                out[f"server {step.name}"] = step.compute / (w.flops / rate)
+                # with the wait for a compute slot: another device's frames on the server take turns with ours
+                # (its compute alone does not change: a second camera on it read as nothing)
+                out[f"server {step.name}"] = (step.compute + step.queue) / (w.flops / rate)
             # until the server step began (its input there): not until its `received` event reached the device,
             # which a server whose CPU share is taken by computing sends late (tens of ms of noise at 100 Mbit/s)
             transfer = step.origin - step.send_start

@@ -146,7 +146,7 @@ def test_own_grey_model_with_its_card_runs_exact(workdir, model, cluster, clip, 
     assert_close(data["outputs"], want)
     frame_lines = [line for line in result.stdout.splitlines() if line.startswith("frame ")]
     assert len(frame_lines) == FRAMES and not any("class " in line for line in frame_lines)
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [r for line in log.read_text().splitlines() if "frame" in (r := json.loads(line))]  # no events
     assert [r["error"] for r in records] == [None] * FRAMES
     if algorithm == "thread":  # really partitioned: servers computed slices; raw tensors saved per frame
         assert all(r["servers"] for r in records)
