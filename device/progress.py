@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 from typing import TextIO
+
+_WRITING = threading.Lock()  # one line at a time on stdout, whichever thread writes it
 
 
 class Progress:
@@ -37,14 +40,17 @@ class Progress:
             self.bar.update()
 
     def write(self, line: str) -> None:
-        """Print ``line`` on stdout (above the bar while it is up)."""
-        if self.bar is not None:
-            from tqdm import tqdm
+        """Print ``line`` on stdout (above the bar while it is up), whole: live adaptation's lines come from
+        threads of their own beside the frames' (`print` writes the line and its newline apart, and a run once
+        printed "... the running one: offload to s1frame 135: ...")."""
+        with _WRITING:
+            if self.bar is not None:
+                from tqdm import tqdm
 
-            tqdm.write(line, file=sys.stdout)
+                tqdm.write(line, file=sys.stdout)
+            else:
+                sys.stdout.write(line + "\n")
             sys.stdout.flush()
-        else:
-            print(line, flush=True)
 
     def __enter__(self) -> Progress:
         return self

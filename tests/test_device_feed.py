@@ -236,3 +236,41 @@ def test_give_up_does_not_count_time_the_device_itself_was_frozen(monkeypatch):
         for _ in range(80):  # 20 s more: over it
             clock[0] += giveup.TICK
             give_up.check(True)
+
+
+def test_lines_from_two_threads_never_share_a_line(monkeypatch):
+    """Live adaptation's lines come from threads of their own beside the frames': a run once printed
+    "... the running one: offload to s1frame 135: ..." (print writes a line and its newline apart)."""
+    import sys
+    import threading
+    import time
+
+    from deepco_device.progress import Progress
+
+    class SlowStdout:  # a terminal or pipe that lets the other thread in between two writes
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, s: str) -> int:
+            self.text += s
+            time.sleep(0.0005)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    out = SlowStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    progress = Progress(enabled=False)
+
+    def write(tag: str) -> None:
+        for k in range(100):
+            progress.write(f"{tag} {k}")
+
+    threads = [threading.Thread(target=write, args=(tag,)) for tag in ("adapt:", "frame")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = out.text.splitlines()
+    assert len(lines) == 200 and all(line.count(" ") == 1 for line in lines)
