@@ -221,8 +221,9 @@ class Health:
             self._consider(", ".join(c.describe() for c in changes), gentle=not self.adapt.worse)
 
     def _quiet(self, timing: FrameTiming) -> bool:
-        """Whether the frame just ended (``timing``) ran while this device loaded no model: only such frames
-        measure the network and the servers (device.lifecycle.Uploads.quiet_since)."""
+        """Whether the frame just ended (``timing``) ran while this device loaded no model, measured nothing and
+        searched for no plan: only such frames measure the network and the servers
+        (device.lifecycle.Uploads.quiet_since)."""
         quiet = self.device.uploads.quiet_since()
         return quiet is not None and time.perf_counter() - timing.latency >= quiet
 
