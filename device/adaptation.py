@@ -231,7 +231,12 @@ class Adaptation:
         when it is predicted within ``margin`` of it; and whether the one chosen is such a plan."""
         plans = [proposed] if isinstance(proposed, StagedPlan) else list(proposed)
         best = plans[0]
-        held = next((p for p in plans[:WARM_LOOKED_AT] if pace() or self.warm(p)), None)  # warm extracts models
+        held = None
+        for plan in plans[:WARM_LOOKED_AT]:
+            pace()  # a paced search's caller (deepco.planning.pacing): yield between plans
+            if self.warm(plan):
+                held = plan
+                break
         if held is not None and self.seconds(held, rates) <= self.seconds(best, rates) * (1 + self.margin):
             return held, True
         return best, held is best
