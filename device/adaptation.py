@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,8 +110,11 @@ class Adaptation:
     def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan | list[StagedPlan]], *,
                  margin: float = MARGIN, frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
                  seconds: Callable[[StagedPlan, Rates], float] | None = None,
-                 warm: Callable[[StagedPlan], bool] | None = None, known: list[StagedPlan] = ()):
+                 warm: Callable[[StagedPlan], bool] | None = None, known: list[StagedPlan] = (),
+                 ahead: list[StagedPlan] = (), assumed: dict[str, float] | None = None):
         self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
+        # plans made at setup with the servers down then, at the rates ``assumed`` for them (`joined`)
+        self.ahead, self.assumed = list(ahead), dict(assumed or {})
         self.live = live or LiveRates()
         self.costs = device.costs
         self.paced = device.measured.paced
@@ -190,18 +193,21 @@ class Adaptation:
         return out
 
     def candidate(self, running: StagedPlan, down: set[str], why: str, margin: float | None = None,
-                  quick: bool = True, gentle: bool = False) -> Trial | None:
+                  quick: bool = True, gentle: bool = False, back: Iterable[str] = ()) -> Trial | None:
         """A trial of the plan the current rates suggest, if the cost model predicts it better than ``running``
         by ``margin`` (default: the adaptation's; None returned: keep running). With ``quick`` (and a margin of
         0 or more: a server back needs a plan with it), one of the plans already on the servers (`known`) that
         is predicted better comes first, without a search (a weak camera takes seconds to search while frames
         run slow): its trial's ``cause`` asks for the search after it. ``gentle``: nothing got slower (a server
         back, a link faster), so the search leaves most of the camera's CPU to the frames
-        (deepco.planning.pacing; `device.cpu_share.Pacer`) rather than hurry."""
+        (deepco.planning.pacing; `device.cpu_share.Pacer`) rather than hurry. ``back``: servers that joined;
+        where setup planned ahead for them at about the rate they measured (`joined`), no search."""
         margin = self.margin if margin is None else margin
         self.probe_unseen(running)
         rates = self.rates()
         now = self.seconds(running, rates)
+        if back and self.guessed(back, rates):
+            return self.joined(running, down, why, rates)
         if quick and margin >= 0:
             fast = self.quick(running, down, rates)
             if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
@@ -218,6 +224,26 @@ class Adaptation:
             return None
         return Trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
                            f"{'' if held else '; its models uploaded first'}", self.frames)
+
+    def guessed(self, back: Iterable[str], rates: Rates) -> bool:
+        """Whether setup planned ahead for every server in ``back`` at a rate within ``margin`` of the one it
+        measured on joining (else its plans would lean on it too much or too little: a search is worth its
+        CPU)."""
+        return bool(self.ahead) and all(
+            s in self.assumed and s in rates.server_flops_per_second
+            and abs(rates.server_flops_per_second[s] / self.assumed[s] - 1) <= self.margin for s in back)
+
+    def joined(self, running: StagedPlan, down: set[str], why: str, rates: Rates) -> Trial | None:
+        """Of the plans made ahead (and ``running``), without the servers in ``down``, the one predicted fastest
+        on ``rates``, on trial whatever the margin (a server back: the frames decide); None where that is
+        ``running``."""
+        plans = [p for p in self.ahead if not set(p.servers) & down]
+        best = min(plans, key=lambda p: self.seconds(p, rates), default=running)
+        now, new = self.seconds(running, rates), self.seconds(best, rates)
+        if new >= now or same_plan(best.to_dict(), running.to_dict()):
+            return None
+        return Trial(best, f"{why}; planned ahead for them, predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms",
+                     self.frames)
 
     def quick(self, running: StagedPlan, down: set[str], rates: Rates) -> StagedPlan | None:
         """Of the `known` plans whose models are on the servers, without the servers in ``down``, the one

@@ -56,7 +56,7 @@ class Health:
         self.measure = measure  # measures a server down since the start before it rejoins (it has no rate yet)
         self.trial: Trial | None = None  # a candidate plan being tried on live frames (its runner ready)
         self._considering = False  # a candidate is being planned and uploaded
-        self._joins_waiting: str | None = None  # servers back while a trial was under way: tried after it
+        self._joins_waiting: list[str] = []  # servers back while a trial was under way: tried after it
         # a change point seen while a candidate was being planned (on the rates before it): planned again after it
         self._changes_waiting: str | None = None
         self.down: set[str] = set(unreached)  # down at the start: probed and rejoin like any other
@@ -182,7 +182,7 @@ class Health:
             else:
                 self.device.log(f"server {name} is back")
         if self.adapt is not None:  # tried whatever the prediction (its rates may be stale): the frames decide
-            self._consider(f"{', '.join(back)} back", margin=-math.inf, gentle=True)
+            self._consider(f"{', '.join(back)} back", margin=-math.inf, gentle=True, back=back)
 
     def _measured(self, server: str) -> bool:
         """Whether ``server``, which answers again, can be planned on: one down since the start is measured
@@ -227,39 +227,40 @@ class Health:
         quiet = self.device.uploads.quiet_since()
         return quiet is not None and time.perf_counter() - timing.latency >= quiet
 
-    def _consider(self, why: str, margin: float | None = None, quick: bool = True, gentle: bool = False) -> None:
+    def _consider(self, why: str, margin: float | None = None, quick: bool = True, gentle: bool = False,
+                  back: list[str] | tuple[str, ...] = ()) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
         for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
         once its models are on the servers. ``gentle``: as `Adaptation.candidate`'s."""
         with self.lock:
             if self.trial is not None or self._considering:
                 if margin == -math.inf:  # servers back: tried once the trial under way is decided
-                    self._joins_waiting = why
+                    self._joins_waiting = sorted({*self._joins_waiting, *back})
                 elif self._considering:  # the rates moved under the search: else nothing would look again
                     self._changes_waiting = why
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
-        self.background(self._propose, running, down, why, margin, quick, gentle)
+        self.background(self._propose, running, down, why, margin, quick, gentle, back)
 
     def _next(self) -> None:
         """A trial was decided (or none made): the servers that came back meanwhile are tried now, or else the
         rates that changed while the candidate was planned are planned on (a step seen once is not seen again:
         without this a change that came during a search on the rates before it would never be acted on)."""
         with self.lock:
-            why, self._joins_waiting = self._joins_waiting, None
+            joins, self._joins_waiting = self._joins_waiting, []
             change, self._changes_waiting = self._changes_waiting, None
-        if why is not None:  # planned on the current rates: the change is covered too
-            self._consider(why, margin=-math.inf, gentle=True)
+        if joins:  # planned on the current rates: the change is covered too
+            self._consider(f"{', '.join(joins)} back", margin=-math.inf, gentle=True, back=joins)
         elif change is not None:
             self._consider(change)
 
     def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True,
-                 gentle: bool = False) -> None:
+                 gentle: bool = False, back: list[str] | tuple[str, ...] = ()) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
         trial = None
         try:
-            trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle)
+            trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle, back)
             if trial is not None:
                 trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 SLO_FRAMES = 10  # pipelined frames `--objective slo` measures each short-listed plan and depth on
 SLO_PLANS = 3  # plans of each ranking (latency, throughput) `--objective slo` pairs with frames in flight
+AHEAD_KEPT = 40  # plans of `ahead`'s ranking kept: a join re-predicts each of them on the live rates
 
 
 class StagedPlanner:
@@ -85,11 +86,12 @@ class StagedPlanner:
         return self.device.servers(exclude)
 
     def plans(self, objective: str = "latency", exclude: Iterable[str] = (), shapes: str = "all",
-              rates: Rates | None = None) -> list[StagedPlan]:
+              rates: Rates | None = None, servers: list[str] | None = None) -> list[StagedPlan]:
         """Every ranked candidate that fits the servers' free model slots (as `free_slots` last counted them),
         best first. ``shapes``: as `deepco.planning.staged.search`, or ``offload`` (the best single server).
-        ``rates``: what to plan on (default: `rates` without ``exclude``)."""
-        servers = self.servers(exclude)
+        ``rates``: what to plan on (default: `rates` without ``exclude``); ``servers``: on which (default: those
+        up at the start, less ``exclude``)."""
+        servers = self.servers(exclude) if servers is None else servers
         if not servers and shapes != "all":
             raise UserError("no server is left: every server of the cluster is down")
         rates = rates or self.rates(exclude)
@@ -109,6 +111,23 @@ class StagedPlanner:
                             f"({', '.join(f'{k}: {v}' for k, v in (self.room or {}).items())}); unload some "
                             "(`deepco models --cluster FILE --all`) or start them with a larger --max-models")
         return fitting
+
+    def ahead(self, objective: str = "latency", kept: int = AHEAD_KEPT) -> tuple[list[StagedPlan], dict[str, float]]:
+        """Plans for the whole cluster, the servers down since the start included, made now so that one joining
+        later needs no search (on a 0.1-core camera a search beside the live frames took them from 90 to
+        150-330 ms for 4 s): the ``kept`` best, and the rate each down server was assumed to have, as fast as
+        the slowest server measured (a plan leans on it no more than on that one). Live adaptation re-predicts
+        them on the joining server's measured rate (device.adaptation). None and no rates where every server
+        answered at the start."""
+        unreached = sorted(self.device.measurements.unreached)
+        rates = self.rates()
+        if not unreached or not rates.server_flops_per_second:
+            return [], {}
+        slowest = min(rates.server_flops_per_second.values())
+        assumed = dict.fromkeys(unreached, slowest)
+        rates.server_flops_per_second.update(assumed)
+        everyone = [s.name for s in self.device.cluster.servers]
+        return self.plans(objective, rates=rates, servers=everyone)[:kept], assumed
 
     def best(self, objective: str = "latency", exclude: Iterable[str] = ()) -> StagedPlan:
         """The fastest plan for ``objective``."""

@@ -368,10 +368,22 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
     if args.plan is None and args.algorithm == "auto" and choice is None:
         per_frame = (lambda p, rates: 1 / throughput(p, dev.costs, rates)) if objective == "throughput" \
             else None  # else the predicted latency
+        ahead, assumed = _ahead(planner, objective, dev.log)
         adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates),
                            seconds=per_frame, warm=lambda p: warm(dev, p),
-                           known=[r.plan for r in planner.standby])
+                           known=[r.plan for r in planner.standby], ahead=ahead, assumed=assumed)
     return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
+
+
+def _ahead(planner, objective: str, log: Callable[[str], None]) -> tuple[list, dict[str, float]]:
+    """`StagedPlanner.ahead` where servers were down at the start (one line: for which, on what rate, how long
+    it took), so that their joining needs no search beside the live frames."""
+    began = time.perf_counter()
+    ahead, assumed = planner.ahead(objective)
+    if ahead:
+        log(f"planned ahead for {', '.join(assumed)} (down; assumed {min(assumed.values()) / 1e9:.2f} GFLOP/s, "
+            f"the slowest measured): {len(ahead)} plans in {time.perf_counter() - began:.2f} s")
+    return ahead, assumed
 
 
 def file_names(names: list[str]) -> dict[str, str]:

@@ -347,3 +347,57 @@ def test_a_change_says_whether_it_made_the_running_plan_slower(frames, worse):
     for origin, compute, *queue in frames:
         changes += adapt.observe(plan, _offload_frame(origin, origin, compute, *queue))
     assert len(changes) == 1 and adapt.worse is worse
+
+
+def test_a_server_down_at_setup_joins_on_a_plan_made_ahead_without_a_search_unless_its_rate_was_far_off(
+        partition_zoo):
+    """Setup plans ahead for a server that is down (at the slowest measured server's rate); when it joins at a
+    rate within the margin of that, the plan comes from those plans (no search beside the live frames); far off,
+    the search runs as before."""
+    import math
+    import socket
+
+    _, path = partition_zoo("resnet18", 0, 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        first = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2),
+                       choose_runtime("cpu", 1))
+        stack.callback(first.stop, 1)
+        cluster = parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
+                                 "servers": [{"name": "s0", "capacity": 1.0, "address": first.address},
+                                             {"name": "s1", "capacity": 1.0, "address": f"127.0.0.1:{port}"}]})
+        dev = stack.enter_context(Device(cluster, path, H, W, log=lambda line: None))
+        dev.setup(rows=False)
+        planner = StagedPlanner(dev)
+        ahead, assumed = planner.ahead("latency")
+        assert assumed == {"s1": planner.rates().server_flops_per_second["s0"]}
+        assert any("s1" in p.servers for p in ahead) and len(ahead) <= 40
+        running = planner.best()
+        assert "s1" not in running.servers
+        late = Server(ServeConfig(port=port, device="cpu", threads=1, max_models=32, max_inflight=2),
+                      choose_runtime("cpu", 1))
+        stack.callback(late.stop, 1)
+        deadline = time.monotonic() + 30
+        while not dev.pool.ready("s1"):  # as health's probe: the channel reconnects after a refusal
+            assert time.monotonic() < deadline, "s1 never answered"
+        dev.measure_server("s1")
+        measured = dev.rates().server_flops_per_second["s1"]
+        searched = []
+
+        def propose(down, rates):
+            searched.append(set(down))
+            return planner.plans("latency", exclude=down, rates=rates)
+
+        near = Adaptation(dev, propose, ahead=ahead, assumed={"s1": measured * 1.1})
+        trial = near.candidate(running, set(), "s1 back", margin=-math.inf, back=["s1"])
+        assert searched == []
+        best = min(ahead, key=lambda p: near.seconds(p, near.rates()))
+        if trial is None:  # the running plan predicted no slower than any plan made ahead
+            assert near.seconds(running, near.rates()) <= near.seconds(best, near.rates())
+        else:
+            assert trial.plan is best and "planned ahead" in trial.why
+        far = Adaptation(dev, propose, ahead=ahead, assumed={"s1": measured * 3})
+        far.candidate(running, set(), "s1 back", margin=-math.inf, back=["s1"])
+        assert searched == [set()]

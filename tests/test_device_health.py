@@ -78,14 +78,15 @@ def test_a_server_that_answers_again_rejoins_with_a_replan():
 
 def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so():
     health, device, calls, first = make_health(["s0", "s1", "s2"])
-    tried = []
+    tried, joined = [], []
 
     class Adapt:  # live adaptation's answer: the plan with every server that is up, on trial
         live = SimpleNamespace(restart=lambda: None)
         known: list = []
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
             tried.append(set(down))
+            joined.append(list(back))
             return Trial(plan_on([s for s in ["s0", "s1", "s2"] if s not in down]), why)
 
     health.adapt = Adapt()
@@ -96,6 +97,7 @@ def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so
     health._probed = 0.0
     health.rejoin()
     assert calls == [{"s1"}] and tried == [set()] and "server s1 is back" in device.lines[-1]
+    assert joined == [["s1"]]  # the servers back, for the plans made ahead for them
     assert health.current() is running  # not switched yet: the candidate is tried first
     ran = {"running": 0, "trial": 0}
     for _ in range(6):  # every other frame on the candidate, which is faster
@@ -133,7 +135,7 @@ def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
     class Adapt:  # the plan with s2 back is the running one (e.g. two rows for three servers)
         live = SimpleNamespace(restart=lambda: None)
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
             return None
 
     health.adapt = Adapt()
@@ -154,7 +156,7 @@ def test_a_change_point_seen_while_a_candidate_is_planned_is_planned_on_after_it
     asked, later = [], []
 
     class Adapt:
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
             asked.append(why)
             return None  # the rates before the step: nothing better
 
@@ -213,7 +215,7 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
     class Adapt:
         live = SimpleNamespace(restart=lambda: None)
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
             asked.append((why, gentle))
             return None
 
