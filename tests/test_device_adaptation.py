@@ -175,22 +175,28 @@ def test_a_plan_whose_models_are_loaded_is_warm_costs_no_upload_and_is_tried_fir
         assert adapt.choose(ranked, rates) == (want, want is plan)
 
 
+def one_up_one_late(stack: contextlib.ExitStack):
+    """A cluster of s0 (an in-process server, stopped with ``stack``) and s1 (a free port nothing listens on
+    yet: start a server there to make it come up); and that port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2),
+                   choose_runtime("cpu", 1))
+    stack.callback(first.stop, 1)
+    return parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
+                          "servers": [{"name": "s0", "capacity": 1.0, "address": first.address},
+                                      {"name": "s1", "capacity": 1.0, "address": f"127.0.0.1:{port}"}]}), port
+
+
 def test_a_server_down_at_setup_is_measured_when_it_comes_up_and_joins_through_a_trial(partition_zoo):
     """`server-join`: setup leaves out a server that does not answer (one line), plans without it, and once it
     answers the run measures it and tries a plan with it on live frames; no frame is lost, every output exact."""
-    import socket
-
     _, path = partition_zoo("resnet18", 0, 0)
-    with socket.socket() as s:  # a free port: the late server listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with contextlib.ExitStack() as stack:
-        first = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2),
-                       choose_runtime("cpu", 1))
-        stack.callback(first.stop, 1)
-        cluster = parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
-                                 "servers": [{"name": "s0", "capacity": 1.0, "address": first.address},
-                                             {"name": "s1", "capacity": 1.0, "address": f"127.0.0.1:{port}"}]})
+        cluster, port = one_up_one_late(stack)
         lines: list[str] = []
         dev = stack.enter_context(Device(cluster, path, H, W, log=lines.append))
         dev.setup(rows=False)
@@ -355,19 +361,10 @@ def test_a_server_down_at_setup_joins_on_a_plan_made_ahead_without_a_search_unle
     rate within the margin of that, the plan comes from those plans (no search beside the live frames); far off,
     the search runs as before."""
     import math
-    import socket
 
     _, path = partition_zoo("resnet18", 0, 0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with contextlib.ExitStack() as stack:
-        first = Server(ServeConfig(port=0, device="cpu", threads=1, max_models=32, max_inflight=2),
-                       choose_runtime("cpu", 1))
-        stack.callback(first.stop, 1)
-        cluster = parse_cluster({"device": {"antennas": 1, "bandwidth": 100.0},
-                                 "servers": [{"name": "s0", "capacity": 1.0, "address": first.address},
-                                             {"name": "s1", "capacity": 1.0, "address": f"127.0.0.1:{port}"}]})
+        cluster, port = one_up_one_late(stack)
         dev = stack.enter_context(Device(cluster, path, H, W, log=lambda line: None))
         dev.setup(rows=False)
         planner = StagedPlanner(dev)
