@@ -39,7 +39,7 @@ from deepco_device.records import FrameTiming
 from deepco.errors import UserError
 from deepco.planning.live_rates import Change, LiveRates, work_of
 from deepco.planning.pacing import pace, paced
-from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, same_plan
+from deepco.planning.staged import DEVICE, Rates, StagedPlan, predict, refit, same_plan
 
 if TYPE_CHECKING:
     from deepco_device.session import Device
@@ -48,6 +48,10 @@ MIN_SAMPLE_SECONDS = 1e-3  # work setup's rates give less time than this is all 
 MARGIN = 0.15  # a candidate is tried when the cost model predicts it this much (15%) faster than the running plan
 TRIAL_FRAMES = 3  # frames a candidate runs, and frames of the running plan it is compared with
 WARM_LOOKED_AT = 40  # of the proposed plans, best first, how many are looked at for one whose models are held
+AHEAD_WITHIN = 2.0  # a joining server measured within this factor of the rate setup planned ahead on: no search
+# (its bands are refitted to the rate measured; the testbed's probes of two servers of the same CPU share differ
+# by 25%, and a factor of two can change which shape is best)
+AHEAD_REFITTED = 3  # of the plans made ahead, the best on the live rates, refitted to them (`refit`)
 
 
 @dataclass
@@ -207,7 +211,8 @@ class Adaptation:
         rates = self.rates()
         now = self.seconds(running, rates)
         if back and self.guessed(back, rates):
-            return self.joined(running, down, why, rates)
+            with self.device.uploads.busy(), paced(Pacer() if gentle else None):  # refitting: a few plans' worth
+                return self.joined(running, down, why, rates)
         if quick and margin >= 0:
             fast = self.quick(running, down, rates)
             if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
@@ -226,19 +231,20 @@ class Adaptation:
                            f"{'' if held else '; its models uploaded first'}", self.frames)
 
     def guessed(self, back: Iterable[str], rates: Rates) -> bool:
-        """Whether setup planned ahead for every server in ``back`` at a rate within ``margin`` of the one it
-        measured on joining (else its plans would lean on it too much or too little: a search is worth its
-        CPU)."""
+        """Whether setup planned ahead for every server in ``back`` at a rate within a factor of
+        ``AHEAD_WITHIN`` of the one it measured on joining (further off, the best shape may differ: a search is
+        worth its CPU)."""
         return bool(self.ahead) and all(
             s in self.assumed and s in rates.server_flops_per_second
-            and abs(rates.server_flops_per_second[s] / self.assumed[s] - 1) <= self.margin for s in back)
+            and 1 / AHEAD_WITHIN <= rates.server_flops_per_second[s] / self.assumed[s] <= AHEAD_WITHIN for s in back)
 
     def joined(self, running: StagedPlan, down: set[str], why: str, rates: Rates) -> Trial | None:
-        """Of the plans made ahead (and ``running``), without the servers in ``down``, the one predicted fastest
-        on ``rates``, on trial whatever the margin (a server back: the frames decide); None where that is
-        ``running``."""
-        plans = [p for p in self.ahead if not set(p.servers) & down]
-        best = min(plans, key=lambda p: self.seconds(p, rates), default=running)
+        """Of the plans made ahead, without the servers in ``down``, the ``AHEAD_REFITTED`` best on ``rates``
+        refitted to them (`deepco.planning.staged.refit`: bands for the rates measured), the fastest, on trial
+        whatever the margin (a server back: the frames decide); None where ``running`` is predicted faster."""
+        plans = sorted((p for p in self.ahead if not set(p.servers) & down), key=lambda p: self.seconds(p, rates))
+        fitted = [refit(p, self.costs, rates) for p in plans[:AHEAD_REFITTED]]
+        best = min(fitted, key=lambda p: self.seconds(p, rates), default=running)
         now, new = self.seconds(running, rates), self.seconds(best, rates)
         if new >= now or same_plan(best.to_dict(), running.to_dict()):
             return None

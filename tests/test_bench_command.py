@@ -78,7 +78,8 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
         return {"change": "every antenna from 100 to 10 Mbit/s", "label": "EMULATED", "calibration_frames": 12,
                 "changed_after": 32, "auto": {"before": row, "after": row}, "phases": phases, "fresh_p50": p50,
                 "frames_until_adapted": adapted, "lost": {"before": 0, "after": 0}, "in_order": True,
-                "max_relative_error": 1e-6, "switches": [], "adaptation": joined, "latencies": [p50] * 54}
+                "max_relative_error": 1e-6, "switches": [], "adaptation": joined, "latencies": [p50] * 54,
+                "bound": {"before": p50 / 2, "after": p50 / 4}}
 
     from deepco_bench import scenarios
 
@@ -90,6 +91,9 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
     assert m["before"]["offload"]["p50"] == 0.2 and m["frames_until_adapted"] == 5  # 3, 22 (never), 5
     assert "frames until adapted: 5 (per repeat: 3, not within the phase, 5)" in report(result)
     assert f"repeat 2, after frame 2: {idle}" in report(result)
+    # each phase's physical bound, a median over the repeats too: auto's p50 0.2 s over 0.1 and over 0.05
+    assert "physical bound 100.0 ms; auto's p50 over it 2.00x" in report(result)
+    assert "physical bound 50.0 ms; auto's p50 over it 4.00x" in report(result)
     plot(result, str(tmp_path / "scenario.png"))
     assert (tmp_path / "scenario.png").read_bytes().startswith(b"\x89PNG")
 

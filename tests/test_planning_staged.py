@@ -142,3 +142,21 @@ def test_frames_in_flight_queue_at_the_busiest_resource(costs):
     assert pipelined(offload, costs, r, 2) == pytest.approx((2 * server, 1 / server))
     with pytest.raises(PlanningError, match="frames in flight must be >= 1, got 0"):
         pipelined(local, costs, r, 0)
+
+
+def test_refit_sizes_a_plans_bands_for_the_rates_it_meets_and_keeps_its_shape(costs):
+    """A split planned on s1 as fast as s0, run where s1 is a quarter as fast: refitted, s1's band shrinks,
+    the shape stays, and it is predicted faster than the plan as made (re-predicted on the true rates)."""
+    from deepco.planning.staged import predict, refit
+
+    guessed, true = rates(servers=(4e9, 4e9), bw=1e9), rates(servers=(4e9, 1e9), bw=1e9)
+    levels = [costs.cuts[len(costs.cuts) // 2].name]
+    made = split_plan(costs, guessed, ["s0", "s1"], levels, True, None)
+    fitted = refit(made, costs, true)
+    assert (fitted.servers, fitted.levels, fitted.lookahead, fitted.tail) == (made.servers, made.levels, True, None)
+    rows = lambda p: [b - a for a, b in p.bands[1]]  # noqa: E731 - rows of each participant at the first level
+    assert rows(fitted)[1] < rows(made)[1] and rows(fitted)[0] > rows(made)[0]
+    assert fitted.predicted == pytest.approx(predict(fitted, costs, true)["frame"])
+    assert fitted.predicted < predict(made, costs, true)["frame"]
+    offload = offload_plan(costs, guessed, "s1")  # no bands: re-predicted only
+    assert refit(offload, costs, true).predicted == pytest.approx(predict(offload, costs, true)["frame"])

@@ -181,9 +181,10 @@ class Runs:
         proc, log = self.start(name, self.args.static_frames + 2, *how)
         return _stats(self.finish(proc, log)[2:])
 
-    def side_by_side(self, name: str, algorithms: list[str]) -> dict:
+    def side_by_side(self, name: str, algorithms: list[str]) -> tuple[dict, float]:
         """``algorithms`` (of local, offload, round-robin) measured by `deepco bench`'s device side on one setup,
-        frames interleaved, ``--static-frames`` each (deepco_bench.benchmark); p50 and p95 of each."""
+        frames interleaved, ``--static-frames`` each (deepco_bench.benchmark); p50 and p95 of each, and the
+        physical bound on latency under these conditions as that setup measured them (`benchmark.bound`)."""
         out = self.workdir / f"{name}.json"
         argv = [sys.executable, "-m", "deepco_bench.benchmark", "--cluster", str(self.cluster), "--model",
                 self.args.model, "--input-size", self.args.input_size, "--algorithms", ",".join(algorithms),
@@ -192,9 +193,11 @@ class Runs:
             proc = self.tb.spawn(argv, stdout=printed, stderr=subprocess.STDOUT)
         if proc.wait(timeout=self.args.timeout) != 0:
             raise UserError(f"scenario: {name} failed: {(self.workdir / f'{name}.out').read_text().strip()[-400:]}")
-        measured = json.loads(out.read_text())["algorithms"]
+        document = json.loads(out.read_text())
+        measured = document["algorithms"]
         return {a: {"frames": measured[a]["frames"], "failed": 0, "p50": measured[a]["p50"], "p95": measured[a]["p95"],
-                    "max_relative_error": measured[a]["max_relative_error"]} for a in algorithms}
+                    "max_relative_error": measured[a]["max_relative_error"]} for a in algorithms}, \
+            document["bound"]["latency"]
 
 
 def _stats(records: list[dict]) -> dict:
@@ -383,7 +386,7 @@ def run_scenario(args: argparse.Namespace, workdir: Path) -> dict:
         runs = Runs(tb, args, cluster, clip, workdir)
         cond = _conditions(tb, args, shares, servers)
         result = _auto_run(runs, cond, frames)
-        result["phases"] = _phases(runs, cond, workdir / "auto-plan.json", result["auto"]["before"])
+        result["phases"], result["bound"] = _phases(runs, cond, workdir / "auto-plan.json", result["auto"]["before"])
     after = result["phases"]["after"]
     latencies = [r["latency"] for r in result.pop("records")[result["changed_after"]:] if r["error"] is None]
     result.update({"scenario": args.scenario, "label": tb.label, "phase_frames": phase,
@@ -422,24 +425,25 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
             "latencies": [r["latency"] for r in records]}
 
 
-def _phases(runs: Runs, cond: Conditions, auto_plan: Path, first: dict) -> dict:
+def _phases(runs: Runs, cond: Conditions, auto_plan: Path, first: dict) -> tuple[dict, dict[str, float]]:
     """Every static plan and a fresh setup under the second phase's conditions (as the run left them), then
     the statics under the first's (the change undone). The first phase's fresh setup is the scenario's run
     itself (``first``: its frames after calibration, before the change): it set up and calibrated under those
     conditions, with no plan cache; and its plan kept fixed there is what it ran, so `auto-fixed` is measured
-    after the change only. That spares two setups of the slow camera a repeat (about 3 of its 11 minutes)."""
-    out = {}
+    after the change only. That spares two setups of the slow camera a repeat (about 3 of its 11 minutes).
+    Also each phase's physical bound on latency (seconds; the statics' setup measured it)."""
+    out, bounds = {}, {}
     for phase in ("after", "before"):
         if phase == "before":
             cond.undo()
         out[phase] = {}
         if runs.args.static_frames > 0:  # local, offload (the best server) and round-robin (over the servers up)
-            out[phase] = runs.side_by_side(f"{phase}-statics", list(STATICS[:3]))
+            out[phase], bounds[phase] = runs.side_by_side(f"{phase}-statics", list(STATICS[:3]))
             if phase == "after":
                 out[phase]["auto-fixed"] = runs.static(f"{phase}-auto-fixed", ["--plan", str(auto_plan)])
         out[phase]["fresh"] = runs.fresh(f"{phase}-fresh") if phase == "after" else first | {
             "calibrated": True, "the_scenario_run": True}
-    return out
+    return out, bounds
 
 
 ADAPTATION_LINES = ("switch: ", "kept ", "adapt: ", "server ")  # switches, trials kept, joins and downs
@@ -501,7 +505,9 @@ def medians(runs: list[dict]) -> dict:
                                                   else len(r["latencies"]) - r["changed_after"] for r in runs]),
                  "lost": sum(r["lost"]["before"] + r["lost"]["after"] for r in runs),
                  "in_order": all(r["in_order"] for r in runs),
-                 "max_relative_error": max(r["max_relative_error"] for r in runs)}
+                 "max_relative_error": max(r["max_relative_error"] for r in runs),
+                 "bound": {phase: _median([r.get("bound", {}).get(phase) for r in runs])
+                           for phase in ("before", "after")}}
     for phase in ("before", "after"):
         rows = {"auto": [r["auto"][phase] for r in runs]}
         rows |= {name: [r["phases"][phase][name] for r in runs] for name in first["phases"][phase]}
@@ -520,6 +526,9 @@ def report(result: dict) -> str:
         cells = "  ".join(f"{name} {row['p50'] * 1e3:.1f}/{row['p95'] * 1e3:.1f}" for name, row in m[phase].items()
                           if row["p50"] is not None)
         lines.append(f"{phase:<6} p50/p95: {cells}")
+        if m["bound"][phase]:
+            lines.append(f"       physical bound {m['bound'][phase] * 1e3:.1f} ms; auto's p50 over it "
+                         f"{m[phase]['auto']['p50'] / m['bound'][phase]:.2f}x")
         unfinished = sum(not r["phases"][phase]["fresh"].get("calibrated", True) for r in runs)
         if unfinished:
             lines.append(f"       the fresh setup had not finished calibrating after {CALIBRATION_ROOM + FRESH_FRAMES} "
@@ -557,6 +566,9 @@ def plot(result: dict, path: str) -> None:
     for phase, (a, b) in (("before", (0, split)), ("after", (split, n))):
         ax.hlines(result["median"][phase]["fresh"]["p50"] * 1e3, a, b, color="black", linewidth=1.2,
                   label="fresh setup p50 in each phase" if phase == "before" else None)
+        if result["median"].get("bound", {}).get(phase):
+            ax.hlines(result["median"]["bound"][phase] * 1e3, a, b, color="red", linewidth=1.0, linestyle=":",
+                      label="physical bound in each phase" if phase == "before" else None)
     # calibration's first frames (uploads, first runs) can be seconds: they would flatten the phases
     phases = [v for r in result["runs"] for v in r["latencies"][r["calibration_frames"]:]]
     top = 1.15 * max(phases, default=0) * 1e3

@@ -780,6 +780,22 @@ def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
     return best
 
 
+def refit(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
+    """``plan``'s shape (participants, levels, lookahead, tail) with its bands sized for ``rates`` (by speed, then
+    `refine` or `refine_scales`), where that is predicted faster than ``plan`` as it stands on ``rates``: a plan
+    made on rates that turned out otherwise, fitted without a search. Plans without bands are re-predicted."""
+    now = _finish(plan, costs, rates)
+    if plan.kind == "split":
+        fitted = split_plan(costs, rates, plan.servers, plan.levels, plan.lookahead, plan.tail,
+                            algorithm=plan.algorithm)
+        fitted = refine(fitted, costs, rates) if fitted is not None and fitted.lookahead else fitted
+    elif plan.kind == "scales":
+        fitted = refine_scales(now, costs, rates)
+    else:
+        return now
+    return fitted if fitted is not None and fitted.predicted < now.predicted else now
+
+
 def _scales_candidates(costs: CostModel, rates: Rates, chosen: Sequence[str], algorithm: str) -> list[StagedPlan]:
     """Plans across scales over ``chosen``: one stage to the deepest level, and the chain of levels the barrier
     model prefers (`scales_chain`), with and without lookahead, the rest on the device or the first server."""
