@@ -216,6 +216,8 @@ class Health:
         if changes:
             self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
                                        "at": time.perf_counter()})
+            if not self.adapt.matters(changes):  # too small to make another plan better by the margin
+                return
             # the running plan no slower (a link faster, a server it leaves idle slower): the search need not
             # take the frames' CPU
             self._consider(", ".join(c.describe() for c in changes), gentle=not self.adapt.worse)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import grpc
-from deepco_device.adaptation import Trial
+from deepco_device.adaptation import Adaptation, Trial
 from deepco_device.health import Health
 from deepco_device.records import FrameTiming
 
@@ -219,7 +219,8 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
             asked.append((why, gentle))
             return None
 
-        worse = False
+        worse, margin = False, 0.15
+        matters = Adaptation.matters
 
         def observe(self, plan, timing):
             found, self.worse = changes.pop(0)
@@ -228,9 +229,12 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
     health.adapt = Adapt()
     health.background = lambda fn, *args: fn(*args)
     health.device.uploads.quiet_since = lambda: 0.0
-    changes = [([Change("antenna 0", 0.1)], False), ([Change("server s0", 4.0), Change("antenna 0", 0.5)], True)]
-    health.observe(health.current(), FrameTiming(latency=0.0))
-    health.observe(health.current(), FrameTiming(latency=0.0))
+    # a change point too small to make any plan better by the margin (an antenna read as 1.06x) is no search
+    changes = [([Change("antenna 0", 1.06)], False), ([Change("antenna 0", 0.1)], False),
+               ([Change("server s0", 4.0), Change("antenna 0", 0.5)], True)]
+    for _ in range(3):
+        health.observe(health.current(), FrameTiming(latency=0.0))
+    assert [e["what"] for e in device.events if e["event"] == "change"][0] == ["antenna 0 1.06x slower"]
     health.failed(health.current(), ServerError("addr-s1", grpc.StatusCode.UNAVAILABLE, "gone"))
     health._probed = 0.0
     health.rejoin()
