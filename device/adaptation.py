@@ -127,6 +127,8 @@ class Adaptation:
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
         self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
+        self._unconfirmed: set[int] = set()  # antennas whose change point the frames saw: probed first (`confirm`)
+        self._before: dict[str, float] | None = None  # the factors before the change points not yet acted on
         # whether the last change points made the running plan slower by more than ``margin`` (predicted): only
         # then does the search for a way out hurry; else it yields the camera's CPU to the frames (``gentle``)
         self.worse = False
@@ -142,7 +144,9 @@ class Adaptation:
         changes = self.live.observe(self.samples(plan, timing))
         if any(c.key.startswith("antenna ") for c in changes):
             self._unseen_stale = True  # the radio changed: the antennas the plan leaves idle may have too
+            self._unconfirmed |= {int(c.key.split()[1]) for c in changes if c.key.startswith("antenna ")}
         if changes:
+            self._before = before if self._before is None else self._before
             base = self.device.rates()
             was = self.seconds(plan, self.live.rates(base, before))
             self.worse = self.seconds(plan, self.live.rates(base)) > was * (1 + self.margin)
@@ -154,7 +158,41 @@ class Adaptation:
         the running plan was the best before (a change point of an antenna read as 1.00x and 1.06x on the
         testbed, whose fixed part dilutes what its samples show, and each cost a search of 1.3-2.5 s beside the
         frames)."""
-        return any(abs(math.log(c.factor)) > 0.5 * math.log1p(self.margin) for c in changes)
+        return any(self._significant(c.factor) for c in changes)
+
+    def _significant(self, factor: float) -> bool:
+        return abs(math.log(factor)) > 0.5 * math.log1p(self.margin)
+
+    def confirm(self) -> str | None:
+        """Probe the antennas whose change points the frames saw (`Device.measure_antenna`, as setup probes) and
+        take the probe's rate: on a weak camera a frame's transfer holds the camera's own CPU (a 0.1-core
+        quota's throttling, another process starting on the same cores), and three such frames in a row read on
+        the testbed as "antenna 0 3.43x slower" while the link was unchanged; the search that hurried after it
+        took the frames to 210-360 ms. Returns what the probes found where, with them, the rates moved too
+        little since before the change points for any plan to gain ``margin`` (then no search), else None."""
+        before, self._before = self._before, None
+        antennas, self._unconfirmed = sorted(self._unconfirmed), set()
+        if not antennas or self.paced:
+            return None
+        base = self.device.rates().antenna_bytes_per_second
+        found = []
+        for m in antennas:
+            key, seen = f"antenna {m}", self.live.factor(f"antenna {m}")
+            try:
+                with self.device.uploads.busy():
+                    now = self.device.measure_antenna(m)
+            except UserError:  # its server busy or gone: the frames' reading stands
+                continue
+            self.live.measured(key, base[m] / now)
+            was = (before or {}).get(key, 1.0)
+            found.append(f"{key} {Change(key, seen / was).how()} in the frames, "
+                         f"{Change(key, base[m] / now / was).how()} probed")
+        if not found or before is None:
+            return None
+        keys = set(before) | set(self.live.factors)
+        if any(self._significant(self.live.factor(k) / before.get(k, 1.0)) for k in keys):
+            return None
+        return "; ".join(found)
 
     def probe_unseen(self, running: StagedPlan) -> None:
         """After an antenna's change point: the antennas ``running`` does not use show nothing in its frames (a
@@ -216,6 +254,10 @@ class Adaptation:
         (deepco.planning.pacing; `device.cpu_share.Pacer`) rather than hurry. ``back``: servers that joined;
         where setup planned ahead for them at about the rate they measured (`joined`), no search."""
         margin = self.margin if margin is None else margin
+        unconfirmed = self.confirm()
+        if unconfirmed is not None:
+            self.device.log(f"adapt: {why}, but {unconfirmed}: no search")
+            return None
         self.probe_unseen(running)
         rates = self.rates()
         now = self.seconds(running, rates)

@@ -321,8 +321,38 @@ def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_b
         changes += adapt.observe(plan, _offload_frame(0.123, 0.13))
     assert [c.key for c in changes] == ["antenna 0"]
     assert adapt.candidate(plan, set(), changes[0].describe()) is None
-    assert probed == [1]
+    assert probed == [0, 1]  # its own antenna first, to confirm the change (the next test), then the idle one
     assert adapt.rates().antenna_bytes_per_second[1] == pytest.approx(1.25e6)
+
+
+@pytest.mark.parametrize(("probed", "searched"), [(12.5e6, False), (1.25e6, True)])
+def test_an_antennas_change_point_is_probed_and_one_the_probe_does_not_confirm_starts_no_search(probed, searched):
+    """Seen on the testbed's 0.1-core camera: three frames whose sends waited for the camera's CPU read as
+    "antenna 0 3.43x slower" while the link was unchanged, and the search that hurried after it took the frames to
+    210-360 ms. The antenna is probed as setup probes it: unchanged, no search and one line; a real drop (the
+    probe agrees), the search."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    lines: list[str] = []
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates,
+                             measure_antenna=lambda m: probed, uploads=Uploads(), log=lines.append)
+    plan = offload_plan_on("s0", 0)
+    proposed = []
+    adapt = Adaptation(device, lambda down, r: proposed.append(r) or [plan], seconds=lambda p, r: 1.0)
+    changes = []
+    for delay in [0.015] * 12 + [0.050] * 4:
+        changes += adapt.observe(plan, _offload_frame(delay, delay + 0.01))
+    assert [c.key for c in changes] == ["antenna 0"] and changes[0].factor > 2
+    assert adapt.candidate(plan, set(), changes[0].describe()) is None
+    assert bool(proposed) == searched
+    assert adapt.rates().antenna_bytes_per_second[0] == pytest.approx(probed)  # the probe's rate is taken
+    said = [line for line in lines if line.startswith("adapt: ")]
+    assert said == ([] if searched else [f"adapt: {changes[0].describe()}, but antenna 0 {changes[0].how()} in the "
+                                         "frames, 1.00x slower probed: no search"])
 
 
 @pytest.mark.parametrize(("frames", "worse"), [

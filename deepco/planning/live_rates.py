@@ -70,9 +70,11 @@ class Change:
 
     def describe(self) -> str:
         """E.g. ``server s0 3.1x slower``."""
-        if self.factor >= 1:
-            return f"{self.key} {self.factor:.2f}x slower"
-        return f"{self.key} {1 / self.factor:.2f}x faster"
+        return f"{self.key} {self.how()}"
+
+    def how(self) -> str:
+        """E.g. ``3.1x slower``."""
+        return f"{self.factor:.2f}x slower" if self.factor >= 1 else f"{1 / self.factor:.2f}x faster"
 
 
 class ChangeDetector:
