@@ -3,9 +3,13 @@ capture-to-result latency, drops, failures, the JSON log), and ``--save-outputs`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from deepco_device.feed import Dropped
@@ -14,6 +18,27 @@ from deepco_device.records import FrameResult
 # of the device's health events, those the JSON log gets (a line each): servers down and up, and live
 # adaptation's change points, searches that kept the plan and switches (no printed line says a change point)
 LOGGED_EVENTS = ("down", "up", "change", "kept", "switch")
+
+
+@contextlib.contextmanager
+def whole() -> Iterator[None]:
+    """Ctrl-C held back until the block ends: a frame's count and its log line go together (an interrupt between
+    them made the `interrupted` event's count one less than the frames logged, on a loaded CI run). Off the main
+    thread, where no handler can be set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if held:
+            if callable(before):
+                before(signal.SIGINT, None)
+            elif before == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
 
 class Report:
@@ -36,6 +61,10 @@ class Report:
 
     def dropped(self, drops: list[Dropped], quiet: bool) -> None:
         """Count and log frames the feed dropped (device.feed.Dropped)."""
+        with whole():
+            self._dropped(drops, quiet)
+
+    def _dropped(self, drops: list[Dropped], quiet: bool) -> None:
         for d in drops:
             self.drops += 1
             if self.log_file:
@@ -56,7 +85,11 @@ class Report:
 
     def frame(self, result: FrameResult, predicted: float | None = None) -> None:
         """Count and log one frame's result (``predicted``: its plan's prediction, default the run's), after
-        the health events that came before it."""
+        the health events that came before it; a Ctrl-C meanwhile waits until both are done (`whole`)."""
+        with whole():
+            self._frame(result, predicted)
+
+    def _frame(self, result: FrameResult, predicted: float | None) -> None:
         self.out.add(result.index)
         self.log_events()
         if self.log_file:

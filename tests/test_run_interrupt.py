@@ -69,3 +69,24 @@ def test_ctrl_c_exits_130_with_a_summary_and_the_frames_in_flight_cancelled(tmp_
     assert sorted(done + event["cancelled"]) == list(range(len(done) + len(event["cancelled"])))
     assert [f"frame {i}: cancelled (interrupted)\n" for i in event["cancelled"]] == \
         [line for line in seen if "cancelled (interrupted)" in line]
+
+
+def test_a_ctrl_c_during_a_frames_count_and_log_line_waits_until_both_are_done():
+    """A loaded CI run logged a frame whose count the Ctrl-C cut off (the `interrupted` event said 1 done, the log
+    held 2 frames): `run_report.whole` holds the interrupt back until the block ends, then raises it."""
+    script = """
+import os, signal
+from deepco_device.run_report import whole
+steps = []
+try:
+    with whole():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler has run by now: nothing cut this block short
+            steps.append(1)
+        print("block done", len(steps), flush=True)
+except KeyboardInterrupt:
+    print("interrupted after", len(steps), flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.splitlines() == ["block done 1000", "interrupted after 1000"], out.stderr
