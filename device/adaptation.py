@@ -13,6 +13,10 @@ losing a frame.
   algorithm). A candidate predicted faster than the running plan by more than ``margin`` is a `Trial`:
   its models are uploaded in the background (frames go on meanwhile), then every other frame runs on it
   until ``frames`` frames have run on each; the device switches if its median latency is lower.
+- **No search where it can be helped.** A search on a weak camera slows the frames beside it for seconds. A
+  change point too small for any plan to gain ``margin`` (`matters`) starts none; an antenna's change point is
+  confirmed by probing the antenna first (`confirm`); a server down at the start joins on the plans setup made
+  ahead for it (``ahead``, at ``assumed`` rates), refitted to the rate it measured (`joined`).
 - **No upload where it can be helped.** An upload from a weak camera takes its CPU and its antennas from the
   live frames for seconds (a ResNet-18 is 45 MB). So calibration's finalists keep their models on the
   servers for the run (`StagedPlanner.calibrate(standby=True)`), a plan the device left keeps its own, and of
