@@ -59,6 +59,12 @@ AHEAD_WITHIN = 2.0  # a joining server measured within this factor of the rate s
 AHEAD_REFITTED = 3  # of the plans made ahead, the best on the live rates, refitted to them (`refit`)
 
 
+def _matters(factor: float, margin: float) -> bool:
+    """Whether a rate moved by ``factor`` could make some plan faster than the best before it by ``margin``:
+    it moves any plan's predicted time by at most that factor, two plans' ratio by at most its square."""
+    return abs(math.log(factor)) > 0.5 * math.log1p(margin)
+
+
 @dataclass
 class Trial:
     """A candidate plan on trial: its runner (made, its models on the servers, before the trial starts), and the
@@ -157,15 +163,11 @@ class Adaptation:
         return changes
 
     def matters(self, changes: list[Change]) -> bool:
-        """Whether the change points ``changes`` could make some plan faster than the running one by ``margin``:
-        a rate moved by f moves any plan's predicted time by at most f, so two plans' ratio by at most f^2, and
-        the running plan was the best before (a change point of an antenna read as 1.00x and 1.06x on the
+        """Whether the change points ``changes`` could make some plan faster than the running one, the best
+        before them, by ``margin`` (`_matters`; a change point of an antenna read as 1.00x and 1.06x on the
         testbed, whose fixed part dilutes what its samples show, and each cost a search of 1.3-2.5 s beside the
         frames)."""
-        return any(self._significant(c.factor) for c in changes)
-
-    def _significant(self, factor: float) -> bool:
-        return abs(math.log(factor)) > 0.5 * math.log1p(self.margin)
+        return any(_matters(c.factor, self.margin) for c in changes)
 
     def confirm(self) -> str | None:
         """Probe the antennas whose change points the frames saw (`Device.measure_antenna`, as setup probes) and
@@ -194,7 +196,7 @@ class Adaptation:
         if not found or before is None:
             return None
         keys = set(before) | set(self.live.factors)
-        if any(self._significant(self.live.factor(k) / before.get(k, 1.0)) for k in keys):
+        if any(_matters(self.live.factor(k) / before.get(k, 1.0), self.margin) for k in keys):
             return None
         return "; ".join(found)
 
@@ -267,7 +269,7 @@ class Adaptation:
         now = self.seconds(running, rates)
         if back and self.guessed(back, rates):
             with self.device.uploads.busy(), paced(Pacer() if gentle else None):  # refitting: a few plans' worth
-                return self.joined(running, down, why, rates)
+                return self.joined(running, down, why, rates, now)
         if quick and margin >= 0:
             fast = self.quick(running, down, rates)
             if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
@@ -293,14 +295,15 @@ class Adaptation:
             s in self.assumed and s in rates.server_flops_per_second
             and 1 / AHEAD_WITHIN <= rates.server_flops_per_second[s] / self.assumed[s] <= AHEAD_WITHIN for s in back)
 
-    def joined(self, running: StagedPlan, down: set[str], why: str, rates: Rates) -> Trial | None:
+    def joined(self, running: StagedPlan, down: set[str], why: str, rates: Rates, now: float) -> Trial | None:
         """Of the plans made ahead, without the servers in ``down``, the ``AHEAD_REFITTED`` best on ``rates``
         refitted to them (`deepco.planning.staged.refit`: bands for the rates measured), the fastest, on trial
-        whatever the margin (a server back: the frames decide); None where ``running`` is predicted faster."""
+        whatever the margin (a server back: the frames decide); None where ``running`` (``now`` seconds a frame
+        on ``rates``) is predicted no slower."""
         plans = sorted((p for p in self.ahead if not set(p.servers) & down), key=lambda p: self.seconds(p, rates))
         fitted = [refit(p, self.costs, rates) for p in plans[:AHEAD_REFITTED]]
         best = min(fitted, key=lambda p: self.seconds(p, rates), default=running)
-        now, new = self.seconds(running, rates), self.seconds(best, rates)
+        new = self.seconds(best, rates)
         if new >= now or same_plan(best.to_dict(), running.to_dict()):
             return None
         return Trial(best, f"{why}; planned ahead for them, predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms",

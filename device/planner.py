@@ -117,7 +117,7 @@ class StagedPlanner:
         later needs no search (on a 0.1-core camera a search beside the live frames took them from 90 to
         150-330 ms for 4 s): the ``kept`` best, and the rate each down server was assumed to have, as fast as
         the slowest server measured (a plan leans on it no more than on that one). Live adaptation re-predicts
-        them on the joining server's measured rate (device.adaptation). None and no rates where every server
+        them on the joining server's measured rate (device.adaptation). No plans and no rates where every server
         answered at the start."""
         unreached = sorted(self.device.measurements.unreached)
         rates = self.rates()

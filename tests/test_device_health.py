@@ -220,7 +220,7 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
             return None
 
         worse, margin = False, 0.15
-        matters, _significant = Adaptation.matters, Adaptation._significant
+        matters = Adaptation.matters
 
         def observe(self, plan, timing):
             found, self.worse = changes.pop(0)
