@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -194,12 +195,18 @@ def _run_frames(args: argparse.Namespace, dev, cache: CacheUse | None, feed, res
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
     watch = chosen.watch(depth, runner.frames_at_once, lean=getattr(args, "lean_depth", False))
-    for result in runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
-                                    in_flight=(lambda: watch.depth) if watch else None):
-        results.dropped(feed.drops())
-        results.emit(result, results.report.predicted)
-        if watch is not None and result.error is None and (line := watch.observe(result.latency, result.delivered)):
-            print(line, flush=True)
+    # Closed at once when the loop ends by an exception (a Ctrl-C between two frames): its calls in flight are
+    # cancelled and its pool's threads end before the Device closes the channels under them. Left to the garbage
+    # collector, those threads outlived the Device and the interpreter's exit waited on them.
+    frames = runner.run_frames(rest, depth=depth, replan=chosen.replan, give_up=give_up, adapt=chosen.adapt,
+                               in_flight=(lambda: watch.depth) if watch else None)
+    with contextlib.closing(frames):
+        for result in frames:
+            results.dropped(feed.drops())
+            results.emit(result, results.report.predicted)
+            if watch is not None and result.error is None and \
+                    (line := watch.observe(result.latency, result.delivered)):
+                print(line, flush=True)
     results.dropped(feed.drops())
 
 

@@ -47,7 +47,7 @@ def test_a_slow_radio_is_timed_on_kilobytes(channels):
     sizes: list[int] = []
     slow = SimpleNamespace(cluster=channels.cluster, client=lambda k, m: SlowLink(channels.client(k, m), RADIO, sizes))
     bandwidths, overhead = probe_links(slow, pace=False)
-    assert max(sizes) == LINK_PROBE_START <= 32 << 10 and sum(sizes) <= 2 * (5 + 3 * LINK_PROBE_START), sizes
+    assert max(sizes) == LINK_PROBE_START <= 32 << 10 and sum(sizes) <= 2 * (10 + 3 * LINK_PROBE_START), sizes
     assert len(bandwidths) == 2 and overhead > 0
     for bandwidth in bandwidths:  # a loaded machine only makes the probe slower: never faster than the radio
         assert 0 < bandwidth <= 1.2 * RADIO, bandwidths

@@ -24,6 +24,19 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
+def _drained(lines: queue.Queue, until_end: bool = False) -> str:
+    """What a stream's reader (`_lines`) has put so far, or (``until_end``) up to its end."""
+    got: list[str] = []
+    while True:
+        try:
+            line = lines.get(timeout=10) if until_end else lines.get_nowait()
+        except queue.Empty:
+            return "".join(got)
+        if line is None:
+            return "".join(got)
+        got.append(line)
+
+
 def test_ctrl_c_exits_130_with_a_summary_and_the_frames_in_flight_cancelled(tmp_path):
     model = _conv_model(tmp_path / "small.onnx", 48, 64)
     log = tmp_path / "log.jsonl"
@@ -36,16 +49,22 @@ def test_ctrl_c_exits_130_with_a_summary_and_the_frames_in_flight_cancelled(tmp_
                                stderr=subprocess.PIPE, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_lines, args=(run.stdout, lines), daemon=True).start()
+        errors: queue.Queue = queue.Queue()  # read beside it: a run that never exits fails the wait, not a read
+        threading.Thread(target=_lines, args=(run.stderr, errors), daemon=True).start()
         seen: list[str] = []
         deadline = time.monotonic() + 120
         try:
             while not any(line.startswith("frame ") for line in seen):  # the first result is out
                 line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-                assert line is not None and time.monotonic() < deadline, "".join(seen) + run.stderr.read()
+                assert line is not None and time.monotonic() < deadline, "".join(seen) + _drained(errors)
                 seen.append(line)
             run.send_signal(signal.SIGINT)
-            stderr = run.stderr.read()
-            assert run.wait(timeout=60) == 130, stderr
+            try:
+                code = run.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("deepco run did not exit within 60 s of Ctrl-C\n" + _drained(errors)) from None
+            stderr = _drained(errors, until_end=True)
+            assert code == 130, stderr
         finally:
             if run.poll() is None:
                 run.kill()
