@@ -138,6 +138,7 @@ class Adaptation:
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
         self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
         self._unconfirmed: set[int] = set()  # antennas whose change point the frames saw: probed first (`confirm`)
+        self._servers_stale = False  # a server of the plan slowed: the others are probed (`probe_idle_servers`)
         self._before: dict[str, float] | None = None  # the factors before the change points not yet acted on
         # whether the last change points made the running plan slower by more than ``margin`` (predicted): only
         # then does the search for a way out hurry; else it yields the camera's CPU to the frames (``gentle``)
@@ -160,6 +161,8 @@ class Adaptation:
             base = self.device.rates()
             was = self.seconds(plan, self.live.rates(base, before))
             self.worse = self.seconds(plan, self.live.rates(base)) > was * (1 + self.margin)
+            if self.worse and any(c.key.startswith("server ") and c.factor > 1 for c in changes):
+                self._servers_stale = True  # its work moves to servers known only by setup's one probe
         return changes
 
     def matters(self, changes: list[Change]) -> bool:
@@ -216,6 +219,28 @@ class Adaptation:
                 continue
             self.live.measured(f"antenna {m}", base[m] / now)
 
+    def probe_idle_servers(self, running: StagedPlan, down: set[str]) -> None:
+        """After a server of the ``running`` plan slowed it: the servers up that it leaves idle are probed
+        again (`Device.server_rates_now`), and their rates taken, before a search moves the work to them. Setup
+        timed each once, for 0.3 s, and on the testbed's shared cores that read a 0.45-core server as fast as
+        the 0.35-core ones (49.2 vs 50.0 and 39.2 vs 39.3 GFLOP/s): the search chose a 0.35-core one by a hair,
+        its frames ran at ~108 ms where the other's ran at ~80, and nothing measured the plans it did not run."""
+        if not self._servers_stale or self.paced:
+            return
+        self._servers_stale = False
+        idle = [s for s in self.device.servers(down) if s not in running.servers]
+        try:
+            with self.device.uploads.busy():
+                found = self.device.server_rates_now(idle)
+        except UserError:  # one busy or gone: planned on what is known
+            return
+        setup = self.device.measured.server_flops_per_second
+        for name, rate in found.items():
+            self.live.measured(f"server {name}", setup[name] / rate)
+        if found:
+            self.device.log("adapt: the servers the plan leaves idle probed again: " + ", ".join(
+                f"{name} {rate / 1e9:.2f} GFLOP/s (setup {setup[name] / 1e9:.2f})" for name, rate in found.items()))
+
     def samples(self, plan: StagedPlan, timing: FrameTiming) -> dict[str, float]:
         """One frame's slowness samples (seconds taken / seconds at setup's rates), by rate."""
         base = self.device.rates()
@@ -265,6 +290,7 @@ class Adaptation:
             self.device.log(f"adapt: {why}, but {unconfirmed}: no search")
             return None
         self.probe_unseen(running)
+        self.probe_idle_servers(running, down)
         rates = self.rates()
         now = self.seconds(running, rates)
         if back and self.guessed(back, rates):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from deepco_device.measuring import device_session, measure, probe_link, server_rates
@@ -200,11 +201,24 @@ class Device:
         if name not in self.measurements.unreached or self.measured is None:
             return
         if self.measurements.probe_ratio is not None:  # None: a cache that did not keep it; its rate stands
-            others = {s.name for s in self.cluster.servers} - {name}
-            rate = server_rates(self.pool, self._probe_reference(), self.tag, skip=others)[name]
-            self.measured.server_flops_per_second[name] = rate * self.measurements.probe_ratio
+            rate = self.server_rates_now([name])[name]
+            self.measured.server_flops_per_second[name] = rate
+            self.log(f"server {name} measured on joining: {rate / 1e9:.2f} GFLOP/s")
         del self.measurements.unreached[name]
-        self.log(f"server {name} measured on joining: {rate * self.measurements.probe_ratio / 1e9:.2f} GFLOP/s")
+
+    def server_rates_now(self, names: Iterable[str]) -> dict[str, float]:
+        """The compute rate (FLOP/s, in the units setup measured them in) of each server in ``names``, probed
+        as setup probes them, one thread each: each server has a CPU of its own, and a slow spell of the machine
+        they share then weighs on them alike. Empty where setup's probe ratio is unknown (a warm start from a
+        cache that did not keep it)."""
+        ratio, names = self.measurements.probe_ratio, list(names)
+        if ratio is None or not names:
+            return {}
+        everyone = {s.name for s in self.cluster.servers}
+        with ThreadPoolExecutor(max_workers=len(names)) as threads:
+            found = threads.map(lambda n: server_rates(self.pool, self._probe_reference(), self.tag,
+                                                    skip=everyone - {n})[n], names)
+            return {name: rate * ratio for name, rate in zip(names, found, strict=True)}
 
     def restore(self, measured: Measurements, compute_scale: float, step_overhead: float,
                 probe_ratio: float | None = None) -> None:

@@ -385,6 +385,53 @@ def test_a_change_says_whether_it_made_the_running_plan_slower(frames, worse):
     assert len(changes) == 1 and adapt.worse is worse
 
 
+def test_after_a_server_of_the_plan_slows_the_servers_it_leaves_idle_are_probed_again_before_the_search():
+    """Seen on the testbed: setup's one probe read a 0.45-core server as fast as the 0.35-core ones, so when the
+    offload's server was cut to a quarter the search moved it to a 0.35-core one by a hair (~108 ms a frame where
+    the other gave ~80). The idle servers are probed again first (`Device.server_rates_now`, all at once) and the
+    search plans on what they measure now. A change that leaves the plan no slower probes nothing."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    setup = {"s0": 1e10, "s1": 1e10, "s2": 1e10}  # setup's probe: all alike
+    rates = Rates(dict(setup), [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    asked: list[list[str]] = []
+    lines: list[str] = []
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False, server_flops_per_second=setup),
+                             rates=lambda: rates, uploads=Uploads(), servers=lambda down: [s for s in setup
+                                                                                          if s not in down],
+                             server_rates_now=lambda names: asked.append(list(names)) or {"s1": 1e10, "s2": 0.5e10},
+                             measure_antenna=lambda m: 12.5e6 * 7, log=lines.append)
+    plan = offload_plan_on("s0", 0)
+    searched: list[Rates] = []
+
+    def seconds(p, r):
+        return costs.input_bytes / r.antenna_bytes_per_second[0] + costs.total_flops / r.server_flops_per_second["s0"]
+
+    adapt = Adaptation(device, lambda down, r: searched.append(r) or [plan], seconds=seconds)
+    for _ in range(12):
+        adapt.observe(plan, _offload_frame(0.015, 0.015, 0.120))
+    changes = []
+    for _ in range(4):  # an antenna faster: the plan no slower, nothing probed
+        changes += adapt.observe(plan, _offload_frame(0.002, 0.002, 0.120))
+    assert changes and not adapt.worse
+    adapt.candidate(plan, set(), "antenna 0 faster", quick=False)
+    assert asked == []
+    for _ in range(4):  # its server 4x slower
+        changes += adapt.observe(plan, _offload_frame(0.002, 0.002, 0.480))
+    assert adapt.worse
+    adapt.candidate(plan, set(), "server s0 4.00x slower", quick=False)
+    assert asked == [["s1", "s2"]]  # the idle ones, once, before the search ...
+    assert [line for line in lines if "probed again" in line] == [
+        "adapt: the servers the plan leaves idle probed again: s1 10.00 GFLOP/s (setup 10.00), s2 5.00 GFLOP/s "
+        "(setup 10.00)"]
+    assert searched[-1].server_flops_per_second["s2"] == pytest.approx(searched[-1].server_flops_per_second["s1"] / 2)
+    adapt.candidate(plan, {"s2"}, "again", quick=False)
+    assert asked == [["s1", "s2"]]  # ... and not again until another server of the plan slows
+
+
 def test_a_server_down_at_setup_joins_on_a_plan_made_ahead_without_a_search_unless_its_rate_was_far_off(
         partition_zoo):
     """Setup plans ahead for a server that is down (at the slowest measured server's rate); when it joins at a
