@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,8 @@ MIN_SAMPLE_SECONDS = 1e-3  # work setup's rates give less time than this is all 
 MARGIN = 0.15  # a candidate is tried when the cost model predicts it this much (15%) faster than the running plan
 TRIAL_FRAMES = 3  # frames a candidate runs, and frames of the running plan it is compared with
 WARM_LOOKED_AT = 40  # of the proposed plans, best first, how many are looked at for one whose models are held
+BIAS_FRAMES = 15  # the running plan's last frames before a change point whose latency over prediction is its bias
+BIAS_LEAST = 5  # fewer such frames: no bias (1)
 AHEAD_WITHIN = 2.0  # a joining server measured within this factor of the rate setup planned ahead on: no search
 # (its bands are refitted to the rate measured; the testbed's probes of two servers of the same CPU share differ
 # by 25%, and a factor of two can change which shape is best)
@@ -63,6 +66,12 @@ def _matters(factor: float, margin: float) -> bool:
     """Whether a rate moved by ``factor`` could make some plan faster than the best before it by ``margin``:
     it moves any plan's predicted time by at most that factor, two plans' ratio by at most its square."""
     return abs(math.log(factor)) > 0.5 * math.log1p(margin)
+
+
+def _opposite(seen: float, probed: float) -> bool:
+    """Whether the frames (``seen``) and a probe (``probed``), each a factor against the rate before a change
+    point, say the rate moved opposite ways (one slower, the other faster or unchanged)."""
+    return math.log(seen) * math.log(probed) <= 0
 
 
 @dataclass
@@ -77,17 +86,18 @@ class Trial:
     cause: str = ""  # the change that led to it; set on a quick trial (`Adaptation.quick`): a search follows it
     tried: list[float] = field(default_factory=list)
     running: list[float] = field(default_factory=list)
+    every: int = 2  # the candidate takes every ``every``-th frame (1: every frame, its rival's frames measured)
     _dealt: int = 0
     _turn: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def takes_frame(self) -> bool:
-        """Whether the next frame runs on the candidate: every other frame, ``frames`` of them."""
+        """Whether the next frame runs on the candidate: every other frame (``every``), ``frames`` of them."""
         with self._lock:
             if self._dealt >= self.frames:
                 return False
             self._turn += 1
-            if self._turn % 2:
+            if self._turn % self.every:
                 return False
             self._dealt += 1
             return True
@@ -120,13 +130,15 @@ class Adaptation:
     are on its servers already; of the proposed plans, one that is and is predicted within ``margin`` of the
     best is tried rather than the best (a switch to it uploads nothing, while an upload from a weak camera
     takes its CPU and antennas from the live frames for seconds). ``known``: plans whose models were put on the
-    servers (calibration's finalists); a plan the run leaves is added."""
+    servers (calibration's finalists); a plan the run leaves is added. ``frames_measure``: whether ``seconds`` is
+    what a frame's latency measures (default: where it is the default), so that `bar` may use the frames."""
 
     def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan | list[StagedPlan]], *,
                  margin: float = MARGIN, frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
                  seconds: Callable[[StagedPlan, Rates], float] | None = None,
                  warm: Callable[[StagedPlan], bool] | None = None, known: list[StagedPlan] = (),
-                 ahead: list[StagedPlan] = (), assumed: dict[str, float] | None = None):
+                 ahead: list[StagedPlan] = (), assumed: dict[str, float] | None = None,
+                 frames_measure: bool | None = None):
         self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
         # plans made at setup with the servers down then, at the rates ``assumed`` for them (`joined`)
         self.ahead, self.assumed = list(ahead), dict(assumed or {})
@@ -134,6 +146,13 @@ class Adaptation:
         self.costs = device.costs
         self.paced = device.measured.paced
         self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
+        # whether ``seconds`` is a frame's latency, which the frames measure (`bar`; default: the predicted latency)
+        self.latency = seconds is None if frames_measure is None else frames_measure
+        # the running plan's quiet frames: latencies, and latency over predicted while no change point was pending
+        self._plan: StagedPlan | None = None
+        self._latencies: deque[float] = deque(maxlen=TRIAL_FRAMES)
+        self._bias: deque[float] = deque(maxlen=BIAS_FRAMES)
+        self._predicted: tuple[tuple, float] | None = None  # (the plan and factors it was for, seconds)
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
         self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
@@ -152,6 +171,13 @@ class Adaptation:
         """Feed a frame of the running ``plan``; the change points it completes (`worse` then says whether they
         made ``plan`` slower)."""
         before = dict(self.live.factors)
+        if plan is not self._plan:  # another plan: another bias
+            self._plan = plan
+            self._latencies.clear()
+            self._bias.clear()
+        self._latencies.append(timing.latency)
+        if self.latency and self._before is None:
+            self._bias.append(timing.latency / self._running_seconds(plan))
         changes = self.live.observe(self.samples(plan, timing))
         if any(c.key.startswith("antenna ") for c in changes):
             self._unseen_stale = True  # the radio changed: the antennas the plan leaves idle may have too
@@ -164,6 +190,26 @@ class Adaptation:
             if self.worse and any(c.key.startswith("server ") and c.factor > 1 for c in changes):
                 self._servers_stale = True  # its work moves to servers known only by setup's one probe
         return changes
+
+    def _running_seconds(self, plan: StagedPlan) -> float:
+        """``seconds(plan)`` on the current rates, worked out once per plan and rates."""
+        key = (id(plan), tuple(sorted(self.live.factors.items())))
+        if self._predicted is None or self._predicted[0] != key:
+            self._predicted = (key, self.seconds(plan, self.rates()))
+        return self._predicted[1]
+
+    def bar(self, running: StagedPlan, now: float) -> float:
+        """What a candidate is compared with: ``now`` (``running``'s predicted seconds a frame on the current
+        rates), or less where its last frames ran faster than that, by their median, put on the predictions'
+        scale by the ratio of its frames to its predictions before the change point (the cost model's own bias
+        for the plan). A probe of a slow radio can read it slower than the frames cross it (a token bucket lets a
+        frame's first kilobytes through at once): on the testbed an offload at 10 Mbit/s was predicted 207-238 ms
+        while its frames took 151-167, and splits predicted at 148-167 ms were tried, their models uploaded over
+        that radio, and measured slower."""
+        if not self.latency or running is not self._plan or len(self._latencies) < self._latencies.maxlen:
+            return now
+        bias = statistics.median(self._bias) if len(self._bias) >= BIAS_LEAST else 1.0
+        return min(now, statistics.median(self._latencies) / bias)
 
     def matters(self, changes: list[Change]) -> bool:
         """Whether the change points ``changes`` could make some plan faster than the running one, the best
@@ -192,10 +238,18 @@ class Adaptation:
                     now = self.device.measure_antenna(m)
             except UserError:  # its server busy or gone: the frames' reading stands
                 continue
-            self.live.measured(key, base[m] / now)
-            was = (before or {}).get(key, 1.0)
+            was, probed = (before or {}).get(key, 1.0), base[m] / now
+            if _opposite(seen / was, probed / was):
+                # the frames and the probe disagree on the way it moved: neither is taken (on the testbed, frames
+                # beside the camera's own work read a link held at 10 Mbit/s as "16.00x faster" while the probe
+                # read it slower than before, and a 4-server split was tried over the slow radio, three times)
+                self.live.measured(key, was)
+                found.append(f"{key} {Change(key, seen / was).how()} in the frames but "
+                             f"{Change(key, probed / was).how()} probed: kept as before")
+                continue
+            self.live.measured(key, probed)
             found.append(f"{key} {Change(key, seen / was).how()} in the frames, "
-                         f"{Change(key, base[m] / now / was).how()} probed")
+                         f"{Change(key, probed / was).how()} probed")
         if not found or before is None:
             return None
         keys = set(before) | set(self.live.factors)
@@ -296,12 +350,13 @@ class Adaptation:
         if back and self.guessed(back, rates):
             with self.device.uploads.busy(), paced(Pacer() if gentle else None):  # refitting: a few plans' worth
                 return self.joined(running, down, why, rates, now)
+        now = self.bar(running, now)
         if quick and margin >= 0:
             fast = self.quick(running, down, rates)
             if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
                 new = self.seconds(fast, rates)
-                return Trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
-                                   "the servers already)", self.frames, cause=why)
+                return self._trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
+                                         "the servers already)", cause=why)
         # the frames meanwhile share the camera's CPU with the search: they measure it, not the network
         with self.device.uploads.busy(), paced(Pacer() if gentle else None):
             plan, held = self.choose(self.propose(down, rates), rates)
@@ -310,8 +365,19 @@ class Adaptation:
         new = self.seconds(plan, rates)
         if new >= now * (1 - margin):
             return None
-        return Trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
-                           f"{'' if held else '; its models uploaded first'}", self.frames)
+        return self._trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
+                                 f"{'' if held else '; its models uploaded first'}")
+
+    def _trial(self, plan: StagedPlan, why: str, cause: str = "") -> Trial:
+        """A trial of ``plan``. Where the change points made the running plan slower (`worse`) and the frames
+        measure what is compared (``latency``), its last frames, which ran after them, stand for its side: three
+        more of its slow frames interleaved would only put off the way out (on the testbed a server cut to a
+        quarter made the offload's frames 300-500 ms against 70-90 on the server it moved to), so the candidate
+        takes the next ``frames`` frames."""
+        trial = Trial(plan, why, self.frames, cause=cause)
+        if self.worse and self.latency and len(self._latencies) >= self.frames:
+            trial.running, trial.every = list(self._latencies)[-self.frames:], 1
+        return trial
 
     def guessed(self, back: Iterable[str], rates: Rates) -> bool:
         """Whether setup planned ahead for every server in ``back`` at a rate within a factor of

@@ -264,7 +264,11 @@ class Health:
         try:
             trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle, back)
             if trial is not None:
-                trial.runner = self.make(trial.plan)  # its models uploaded before any frame runs on it
+                # its models uploaded before any frame runs on it; the frames meanwhile measure nothing: a weak
+                # camera cuts and hashes the stage models on its own CPU between the uploads (on the testbed,
+                # frames beside that read a link held at 10 Mbit/s as 16x faster, then slower again)
+                with self.device.uploads.busy():
+                    trial.runner = self.make(trial.plan)
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
             what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
             self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.brief()}: {what}" if trial

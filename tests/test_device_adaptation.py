@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnxruntime as ort
 import pytest
-from deepco_device.adaptation import Adaptation
+from deepco_device.adaptation import TRIAL_FRAMES, Adaptation
 from deepco_device.lifecycle import Uploads
 from deepco_device.planner import StagedPlanner
 from deepco_device.preprocess import normalise
@@ -275,6 +275,15 @@ def _offload_frame(origin: float, received: float, compute: float = 0.120, queue
     return FrameTiming(latency=step.finish, sent=received, compute=compute, server="s0", servers=(step,))
 
 
+def _frame_taking(latency: float, origin: float, compute: float = 0.120):
+    """An offloaded frame of ``latency`` s whose input reached its server after ``origin`` s, computed in
+    ``compute`` s."""
+    from deepco_device.records import FrameTiming
+
+    frame = _offload_frame(origin, origin, compute)
+    return FrameTiming(latency=latency, sent=frame.sent, compute=frame.compute, server="s0", servers=frame.servers)
+
+
 def test_an_antennas_rate_is_read_from_when_the_server_began_not_from_its_late_received_event():
     """Seen on the testbed: a server computing under its CPU share sends its `received` event 25-110 ms late
     while 150 kB take 12 ms at 100 Mbit/s, so a transfer read from that event hides a tenfold drop in noise.
@@ -325,12 +334,14 @@ def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_b
     assert adapt.rates().antenna_bytes_per_second[1] == pytest.approx(1.25e6)
 
 
-@pytest.mark.parametrize(("probed", "searched"), [(12.5e6, False), (1.25e6, True)])
+@pytest.mark.parametrize(("probed", "searched"), [(12.5e6, False), (1.25e6, True), (25e6, False)])
 def test_an_antennas_change_point_is_probed_and_one_the_probe_does_not_confirm_starts_no_search(probed, searched):
     """Seen on the testbed's 0.1-core camera: three frames whose sends waited for the camera's CPU read as
     "antenna 0 3.43x slower" while the link was unchanged, and the search that hurried after it took the frames to
     210-360 ms. The antenna is probed as setup probes it: unchanged, no search and one line; a real drop (the
-    probe agrees), the search."""
+    probe agrees), the search. A probe that reads the other way than the frames (there: frames "16.00x faster",
+    the probe slower, and a 4-server split tried over a 10 Mbit/s radio) moves nothing either: the rate stays
+    where it was."""
     from types import SimpleNamespace
 
     from deepco.planning.staged import Rates, offload_plan_on
@@ -349,10 +360,79 @@ def test_an_antennas_change_point_is_probed_and_one_the_probe_does_not_confirm_s
     assert [c.key for c in changes] == ["antenna 0"] and changes[0].factor > 2
     assert adapt.candidate(plan, set(), changes[0].describe()) is None
     assert bool(proposed) == searched
-    assert adapt.rates().antenna_bytes_per_second[0] == pytest.approx(probed)  # the probe's rate is taken
+    # the probe's rate is taken where it agrees with the frames, else the rate before the change stays
+    assert adapt.rates().antenna_bytes_per_second[0] == pytest.approx(probed if searched else 12.5e6)
     said = [line for line in lines if line.startswith("adapt: ")]
+    how = "1.00x slower" if probed == 12.5e6 else "2.00x faster"
     assert said == ([] if searched else [f"adapt: {changes[0].describe()}, but antenna 0 {changes[0].how()} in the "
-                                         "frames, 1.00x slower probed: no search"])
+                                         f"frames but {how} probed: kept as before: no search"])
+
+
+@pytest.mark.parametrize(("after", "tried"), [(0.140, False), (0.170, True)])
+def test_a_candidate_must_beat_what_the_running_plans_frames_measure_not_only_its_prediction(after, tried):
+    """Seen on the testbed: after a drop to 10 Mbit/s the probe read the radio slower than the offload's frames
+    crossed it (a token bucket lets a frame's first kilobytes through at once), so the offload was predicted at
+    207-238 ms while its frames took 151-167, and splits predicted at 148-167 ms were tried, their models
+    uploaded over that radio, and measured slower. A candidate is compared with the running plan's frames too
+    (on its predictions' scale: here its frames took what it was predicted before the change)."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10, "s1": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates,
+                             measure_antenna=lambda m: 12.5e6 / 4, uploads=Uploads(), log=lambda line: None)
+    plan, other = offload_plan_on("s0", 0), offload_plan_on("s1", 0)
+
+    def seconds(p, r):  # the offload: its bytes, then its work (0.132 s at setup's rates); the other: 0.135 s
+        if p is other:
+            return 0.135
+        return costs.input_bytes / r.antenna_bytes_per_second[0] + costs.total_flops / r.server_flops_per_second["s0"]
+
+    adapt = Adaptation(device, lambda down, r: [other], seconds=seconds, frames_measure=True)
+    for _ in range(12):
+        adapt.observe(plan, _frame_taking(0.132, 0.012))
+    changes = []
+    for _ in range(4):  # the antenna 4x slower by the probe (0.168 s predicted); the frames take ``after``
+        changes += adapt.observe(plan, _frame_taking(after, 0.048))
+    assert [c.key for c in changes] == ["antenna 0"]
+    trial = adapt.candidate(plan, set(), changes[0].describe(), quick=False)
+    assert (trial is not None) == tried
+    if tried:
+        assert trial.plan is other
+
+
+def test_when_a_change_made_the_running_plan_slower_its_frames_since_stand_for_it_in_the_trial():
+    """Seen on the testbed: a server cut to a quarter took the offload's frames to 300-500 ms; three more of them,
+    interleaved with the trial's, only put off the switch. Its frames since the change point stand for its side,
+    and the candidate takes the next frames in a row; a change that made it no slower keeps the interleaving."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10, "s1": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False, server_flops_per_second={}),
+                             rates=lambda: rates, uploads=Uploads(), log=lambda line: None,
+                             servers=lambda down: ["s0", "s1"], server_rates_now=lambda names: {})
+    plan, other = offload_plan_on("s0", 0), offload_plan_on("s1", 0)
+
+    def seconds(p, r):
+        return costs.input_bytes / r.antenna_bytes_per_second[0] + costs.total_flops / r.server_flops_per_second[
+            p.servers[0]]
+
+    adapt = Adaptation(device, lambda down, r: [other], seconds=seconds, frames_measure=True)
+    for _ in range(12):
+        adapt.observe(plan, _frame_taking(0.132, 0.012))
+    changes, slow = [], [0.49, 0.50, 0.51, 0.52]
+    for latency in slow:  # its server 4x slower
+        changes += adapt.observe(plan, _frame_taking(latency, 0.012, compute=0.48))
+    assert [c.key for c in changes] == ["server s0"] and adapt.worse
+    trial = adapt.candidate(plan, set(), changes[0].describe(), quick=False)
+    assert trial is not None and trial.plan is other
+    assert trial.running == slow[-TRIAL_FRAMES:]  # the frames that ran after the change point
+    assert [trial.takes_frame() for _ in range(TRIAL_FRAMES + 1)] == [True] * TRIAL_FRAMES + [False]
 
 
 @pytest.mark.parametrize(("frames", "worse"), [

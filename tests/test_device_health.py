@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import grpc
 from deepco_device.adaptation import Adaptation, Trial
 from deepco_device.health import Health
+from deepco_device.lifecycle import Uploads
 from deepco_device.records import FrameTiming
 
 from deepco.planning.live_rates import Change
@@ -19,7 +20,7 @@ from deepco.wire.client import ServerError, WrongAnswer
 class FakeDevice:
     def __init__(self):
         self.down, self.events, self.lines = set(), [], []
-        self.uploads = SimpleNamespace(forget=lambda server: None)
+        self.uploads = Uploads()  # nothing loaded: forgetting a server is a no-op, and `busy` counts
         self.pool = SimpleNamespace(client=lambda name, antenna: SimpleNamespace(address=f"addr-{name}"))
 
     def log(self, line: str) -> None:

@@ -3,6 +3,8 @@ the planner gets move by the size of the change."""
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,21 @@ def test_a_link_faster_than_setup_measured_still_reads_a_change_at_its_size(befo
     assert [c.key for c in changes] == ["antenna 0"]
     assert changes[0].factor == pytest.approx(after / before, rel=0.2)
     assert live.rates(base).antenna_bytes_per_second[0] == pytest.approx(1e6 * before / after, rel=0.2)
+
+
+def test_a_reference_taken_beside_the_devices_own_work_does_not_make_the_next_level_read_infinitely_faster():
+    """Seen on the testbed: frames beside the camera's own work (cutting a trial's models) took seconds where a
+    10 Mbit/s link takes 80 ms; they became an antenna's reference, and the steady frames after them were read as
+    "16.00x faster" (the floor), from a fixed part larger than the frames themselves. Where the fixed part the
+    reference implies is contradicted so, the level moves by the plain ratio of the medians."""
+    live = LiveRates()
+    polluted = [2.9, 53.5, 9.3, 57.3, 5.5, 14.8, 4.8]
+    steady = [1.7, 1.8, 1.75] * 4
+    changes = []
+    for x in polluted + steady:
+        changes += live.observe({"antenna 1": x})
+    assert [c.key for c in changes] == ["antenna 1"]
+    reference = statistics.median(polluted[:5])  # the first reference: the origin its level is measured from
+    recent = statistics.median(steady)  # the run that makes the change: some of the steady frames
+    assert live.factor("antenna 1") == pytest.approx(recent / reference, rel=0.1)
+    assert live.factor("antenna 1") > 1 / 16 * 1.5  # not the floor a negative level was clamped to

@@ -45,8 +45,9 @@ HISTORY = 15  # reference samples kept
 THRESHOLD = 0.35  # every recent sample 35% beyond the reference's range, the same way, is a change point
 REFERENCE = 5  # reference samples needed before a test
 ADDITIVE = ("antenna ",)  # streams with a fixed part in every sample: it cancels (`moved`)
-LEAST_STEP = 1 / 16  # an additive level never falls below this share of the last one in one change (noise on a
-# fixed part larger than the bytes' time could make the medians less it say "faster than infinitely fast")
+LEAST_STEP = 1 / 16  # an additive level that would fall below this share of the last one in one change: the new
+# samples contradict the fixed part taken out, so the plain ratio of the medians is taken (the device's own work
+# once put seconds into a reference where the link took 80 ms, and "moved" read the next frames as 16x faster)
 
 
 def moved(before: float, origin: float, median: float) -> float:
@@ -154,8 +155,12 @@ class LiveRates:
                 continue
             before, was = self._before.get(key, 1.0), self.factor(key)
             if key.startswith(ADDITIVE):  # fixed part + slowness: the fixed part cancels (module doc)
-                self.factors[key] = max(moved(before, detector.origin, detector.median), was * LEAST_STEP)
-                factor = self.factors[key] / was
+                now = moved(before, detector.origin, detector.median)
+                if now < was * LEAST_STEP:  # the new samples at or below the fixed part the reference implied:
+                    # it held no fixed part that large, so none is taken out (the plain ratio of the medians)
+                    now = before * detector.median / detector.origin
+                self.factors[key] = now
+                factor = now / was
             else:
                 self.factors[key] = before * detector.level
             changes.append(Change(key, factor))
