@@ -131,14 +131,15 @@ class Adaptation:
     best is tried rather than the best (a switch to it uploads nothing, while an upload from a weak camera
     takes its CPU and antennas from the live frames for seconds). ``known``: plans whose models were put on the
     servers (calibration's finalists); a plan the run leaves is added. ``frames_measure``: whether ``seconds`` is
-    what a frame's latency measures (default: where it is the default), so that `bar` may use the frames."""
+    what a frame's latency measures (default: where it is the default), so that `bar` may use the frames.
+    ``keep_reserve``: the run keeps `reserve`'s plan on the servers from its first frames."""
 
     def __init__(self, device: Device, propose: Callable[[set[str], Rates], StagedPlan | list[StagedPlan]], *,
                  margin: float = MARGIN, frames: int = TRIAL_FRAMES, live: LiveRates | None = None,
                  seconds: Callable[[StagedPlan, Rates], float] | None = None,
                  warm: Callable[[StagedPlan], bool] | None = None, known: list[StagedPlan] = (),
                  ahead: list[StagedPlan] = (), assumed: dict[str, float] | None = None,
-                 frames_measure: bool | None = None):
+                 frames_measure: bool | None = None, keep_reserve: bool = False):
         self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
         # plans made at setup with the servers down then, at the rates ``assumed`` for them (`joined`)
         self.ahead, self.assumed = list(ahead), dict(assumed or {})
@@ -148,6 +149,7 @@ class Adaptation:
         self.seconds = seconds or (lambda plan, rates: predict(plan, self.costs, rates)["frame"])
         # whether ``seconds`` is a frame's latency, which the frames measure (`bar`; default: the predicted latency)
         self.latency = seconds is None if frames_measure is None else frames_measure
+        self.keep_reserve = keep_reserve  # whether the run keeps a plan in reserve on the servers (`reserve`)
         # the running plan's quiet frames: latencies, and latency over predicted while no change point was pending
         self._plan: StagedPlan | None = None
         self._latencies: deque[float] = deque(maxlen=TRIAL_FRAMES)
@@ -171,8 +173,8 @@ class Adaptation:
         """Feed a frame of the running ``plan``; the change points it completes (`worse` then says whether they
         made ``plan`` slower)."""
         before = dict(self.live.factors)
-        if plan is not self._plan:  # another plan: another bias
-            self._plan = plan
+        if plan is not self._plan:  # another plan: another bias, and no change point has made it slower yet
+            self._plan, self.worse = plan, False
             self._latencies.clear()
             self._bias.clear()
         self._latencies.append(timing.latency)
@@ -344,19 +346,21 @@ class Adaptation:
             self.device.log(f"adapt: {why}, but {unconfirmed}: no search")
             return None
         self.probe_unseen(running)
-        self.probe_idle_servers(running, down)
         rates = self.rates()
         now = self.seconds(running, rates)
         if back and self.guessed(back, rates):
             with self.device.uploads.busy(), paced(Pacer() if gentle else None):  # refitting: a few plans' worth
                 return self.joined(running, down, why, rates, now)
-        now = self.bar(running, now)
-        if quick and margin >= 0:
+        if quick and margin >= 0:  # before the idle servers' probe: the trial measures them (and it follows)
+            bar = self.bar(running, now)
             fast = self.quick(running, down, rates)
-            if fast is not None and self.seconds(fast, rates) < now * (1 - margin):
+            if fast is not None and self.seconds(fast, rates) < bar * (1 - margin):
                 new = self.seconds(fast, rates)
-                return self._trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms (its models on "
+                return self._trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {bar * 1e3:.1f} ms (its models on "
                                          "the servers already)", cause=why)
+        self.probe_idle_servers(running, down)
+        rates = self.rates()
+        now = self.bar(running, self.seconds(running, rates))
         # the frames meanwhile share the camera's CPU with the search: they measure it, not the network
         with self.device.uploads.busy(), paced(Pacer() if gentle else None):
             plan, held = self.choose(self.propose(down, rates), rates)
@@ -378,6 +382,23 @@ class Adaptation:
         if self.worse and self.latency and len(self._latencies) >= self.frames:
             trial.running, trial.every = list(self._latencies)[-self.frames:], 1
         return trial
+
+    def reserve(self, running: StagedPlan, down: set[str]) -> tuple[StagedPlan, str] | None:
+        """The plan to keep on the servers in reserve beside ``running``: the one the cost model prefers without
+        the server ``running`` gives the most work (searched beside the frames, paced), and that server; None
+        where ``running`` uses no server, or that plan uses none, or its models are held already. A server of the
+        plan that slows down then has a way out that needs no upload: on the testbed, a server cut to a quarter
+        took the offload's frames to 300-500 ms for 5.3 s while its replacement's model was fetched and loaded."""
+        if not running.servers:
+            return None
+        work = work_of(running, self.costs)
+        heaviest = max(zip(running.servers, work, strict=True), key=lambda sw: sw[1].flops)[0]
+        rates = self.rates()
+        with self.device.uploads.busy(), paced(Pacer()):
+            plan, held = self.choose(self.propose(down | {heaviest}, rates), rates)
+        if held or not plan.servers or any(same_plan(plan.to_dict(), p.to_dict()) for p in self.known):
+            return None
+        return plan, heaviest
 
     def guessed(self, back: Iterable[str], rates: Rates) -> bool:
         """Whether setup planned ahead for every server in ``back`` at a rate within a factor of

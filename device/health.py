@@ -65,6 +65,9 @@ class Health:
         self._replanning = threading.Lock()  # one replan at a time (it may upload models)
         self._probed = time.monotonic()
         self._rejoining = False  # `rejoin_soon`'s probe is under way
+        # live adaptation's reserve (`_reserve`): asked for at the first quiet frame; its runner kept for the run
+        self._reserve_asked = not (isinstance(adapt, Adaptation) and adapt.keep_reserve)
+        self.reserves: list[Any] = []
 
     def current(self):
         """The runner a frame should use now: the running plan's, or on every other frame a trial's."""
@@ -212,6 +215,9 @@ class Health:
             return
         if runner is not running or not self._quiet(timing):
             return
+        if not self._reserve_asked:
+            self._reserve_asked = True
+            self.background(self._reserve, running)
         changes = self.adapt.observe(runner.plan, timing)
         if changes:
             self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
@@ -221,6 +227,26 @@ class Health:
             # the running plan no slower (a link faster, a server it leaves idle slower): the search need not
             # take the frames' CPU
             self._consider(", ".join(c.describe() for c in changes), gentle=not self.adapt.worse)
+
+    def _reserve(self, running) -> None:
+        """Put live adaptation's reserve on the servers (`Adaptation.reserve`: the best plan without the server
+        the running plan gives the most work), beside the frames, which measure nothing meanwhile; one line."""
+        with self.lock:
+            down = set(self.down)
+        try:
+            found = self.adapt.reserve(running.plan, down)
+            if found is None:
+                return
+            plan, without = found
+            with self.device.uploads.busy():
+                runner = self.make(plan)
+        except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
+            what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+            self.device.log(f"adapt: no reserve: {what}")
+            return
+        self.reserves.append(runner)  # its models stay on the servers for the run
+        self.adapt.known.append(plan)
+        self.device.log(f"adapt: in reserve without {without} (its models on the servers): {plan.brief()}")
 
     def _quiet(self, timing: FrameTiming) -> bool:
         """Whether the frame just ended (``timing``) ran while this device loaded no model, measured nothing and
@@ -308,8 +334,9 @@ class Health:
         else:
             self.device.log(f"kept {was}: tried {now} ({trial.why}); measured {trial.verdict()}")
             trial.runner.close()
-        if trial.cause:  # a quick trial (a plan already on the servers): now the search for the best
-            self._consider(trial.cause, quick=False)
+        if trial.cause:  # a quick trial (a plan already on the servers): now the search for the best, paced
+            # where the switch was made (the frames are out of the slow plan: the search need not hurry)
+            self._consider(trial.cause, quick=False, gentle=switched)
         self._next()
 
     def _abandon(self, runner, exc: ServerError) -> bool:

@@ -378,7 +378,8 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
         ahead, assumed = _ahead(planner, objective, dev.log)
         adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates),
                            seconds=per_frame, warm=lambda p: warm(dev, p),
-                           known=[r.plan for r in planner.standby], ahead=ahead, assumed=assumed)
+                           known=[r.plan for r in planner.standby], ahead=ahead, assumed=assumed,
+                           keep_reserve=True)
     return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
 
 

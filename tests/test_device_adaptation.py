@@ -555,3 +555,58 @@ def test_a_server_down_at_setup_joins_on_a_plan_made_ahead_without_a_search_unle
         far = Adaptation(dev, propose, ahead=ahead, assumed={"s1": measured * 3})
         far.candidate(running, set(), "s1 back", margin=-math.inf, back=["s1"])
         assert searched == [set()]
+
+
+def test_the_run_keeps_the_best_plan_without_its_busiest_server_in_reserve_and_a_slowdown_tries_it_at_once():
+    """Seen on the testbed: a server cut to a quarter took the offload's frames to 300-500 ms for 5.3 s while
+    the servers it left idle were probed, a plan searched for and its model fetched and loaded. At the run's
+    first quiet frame the best plan without the server the running plan gives the most work is put on the
+    servers (one line); when that server slows, it is tried at once, with no probe or search before it."""
+    from types import SimpleNamespace
+
+    from deepco_device.health import Health
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10, "s1": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    asked: list[list[str]] = []
+    lines: list[str] = []
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False, server_flops_per_second={}),
+                             rates=lambda: rates, uploads=Uploads(), log=lines.append, events=[], down=set(),
+                             servers=lambda down: [s for s in ["s0", "s1"] if s not in down],
+                             server_rates_now=lambda names: asked.append(list(names)) or {})
+    plan = offload_plan_on("s0", 0)
+    searched: list[set[str]] = []
+    made: list = []
+
+    def propose(down, r):
+        searched.append(set(down))
+        return [offload_plan_on(next(s for s in ["s0", "s1"] if s not in down), 0)]
+
+    def seconds(p, r):
+        return costs.input_bytes / r.antenna_bytes_per_second[0] + costs.total_flops / r.server_flops_per_second[
+            p.servers[0]]
+
+    def make(p):
+        made.append(p)
+        return SimpleNamespace(plan=p, close=lambda: None)
+
+    adapt = Adaptation(device, propose, seconds=seconds, frames_measure=True, keep_reserve=True,
+                       warm=lambda p: any(p is m for m in made))
+    running = SimpleNamespace(plan=plan)
+    health = Health(device, running, make, replan=lambda down: plan, ready=lambda s: True,
+                    server_at=lambda a: None, adapt=adapt)
+    health.background = lambda fn, *args: fn(*args)  # here, not on a thread
+    health.observe(running, _frame_taking(0.132, 0.012))
+    assert searched == [{"s0"}] and [p.servers for p in made] == [["s1"]]
+    assert lines == ["adapt: in reserve without s0 (its models on the servers): offload to s1"]
+    time.sleep(0.6)  # the frames that follow began after the reserve was made: they measure
+    for _ in range(11):
+        health.observe(running, _frame_taking(0.132, 0.012))
+    assert len(made) == 1  # asked once
+    for latency in [0.49, 0.50, 0.51]:  # its server 4x slower
+        health.observe(running, _frame_taking(latency, 0.012, compute=0.48))
+    assert health.trial is not None and health.trial.plan is made[0], (lines, device.events)
+    assert asked == [] and searched == [{"s0"}]  # nothing probed or searched before the trial
+    assert "its models on the servers already" in health.trial.why
