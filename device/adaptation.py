@@ -386,7 +386,7 @@ class Adaptation:
     def reserve(self, running: StagedPlan, down: set[str]) -> tuple[StagedPlan, str] | None:
         """The plan to keep on the servers in reserve beside ``running``: the one the cost model prefers without
         the server ``running`` gives the most work (searched beside the frames, paced), and that server; None
-        where ``running`` uses no server, or that plan uses none, or its models are held already. A server of the
+        where ``running`` uses no server, or that plan uses none or is known already (`known`). A server of the
         plan that slows down then has a way out that needs no upload: on the testbed, a server cut to a quarter
         took the offload's frames to 300-500 ms for 5.3 s while its replacement's model was fetched and loaded."""
         if not running.servers:
@@ -395,8 +395,8 @@ class Adaptation:
         heaviest = max(zip(running.servers, work, strict=True), key=lambda sw: sw[1].flops)[0]
         rates = self.rates()
         with self.device.uploads.busy(), paced(Pacer()):
-            plan, held = self.choose(self.propose(down | {heaviest}, rates), rates)
-        if held or not plan.servers or any(same_plan(plan.to_dict(), p.to_dict()) for p in self.known):
+            plan, _ = self.choose(self.propose(down | {heaviest}, rates), rates)
+        if not plan.servers or any(same_plan(plan.to_dict(), p.to_dict()) for p in self.known):
             return None
         return plan, heaviest
 

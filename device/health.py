@@ -244,7 +244,7 @@ class Health:
             what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
             self.device.log(f"adapt: no reserve: {what}")
             return
-        self.reserves.append(runner)  # its models stay on the servers for the run
+        self.reserves.append(runner)  # its models stay on the servers for the run (held ones too: one more user)
         self.adapt.known.append(plan)
         self.device.log(f"adapt: in reserve without {without} (its models on the servers): {plan.brief()}")
 
