@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -423,12 +424,16 @@ def test_when_a_change_made_the_running_plan_slower_its_frames_since_stand_for_i
             p.servers[0]]
 
     adapt = Adaptation(device, lambda down, r: [other], seconds=seconds, frames_measure=True)
-    for _ in range(12):
+    for _ in range(3):  # as few as a change point needs before it (a plan just switched to): a run of 4 then
         adapt.observe(plan, _frame_taking(0.132, 0.012))
     changes, slow = [], [0.49, 0.50, 0.51, 0.52]
     for latency in slow:  # its server 4x slower
         changes += adapt.observe(plan, _frame_taking(latency, 0.012, compute=0.48))
     assert [c.key for c in changes] == ["server s0"] and adapt.worse
+    # the frames that made the change point are no part of the plan's bias (it ran as predicted before it): what
+    # a candidate must beat is its prediction now or its frames, whichever is less
+    now = seconds(plan, adapt.rates())
+    assert adapt.bar(plan, now) == pytest.approx(min(now, statistics.median(slow[-TRIAL_FRAMES:])))
     trial = adapt.candidate(plan, set(), changes[0].describe(), quick=False)
     assert trial is not None and trial.plan is other
     assert trial.running == slow[-TRIAL_FRAMES:]  # the frames that ran after the change point

@@ -68,6 +68,7 @@ class Change:
 
     key: str
     factor: float
+    run: int = WINDOW  # how many of the last samples made it (at the new level)
 
     def describe(self) -> str:
         """E.g. ``server s0 3.1x slower``."""
@@ -89,6 +90,7 @@ class ChangeDetector:
         self.origin: float | None = None  # the first reference median since `clear`: the level 1 is measured from
         self.level = 1.0  # the current level against ``origin`` (moved at each change point)
         self.median: float | None = None  # the recent median at the last change point (linear)
+        self.run = 0  # how many of the last samples made the last change point
 
     def add(self, sample: float) -> float | None:
         """Feed one sample (> 0); the ratio of the new median to the old one when this sample completes a change
@@ -105,7 +107,7 @@ class ChangeDetector:
         if k is None:
             return None
         recent, reference = statistics.median(logs[-k:]), statistics.median(logs[:-k])
-        self.samples = self.samples[-k:]
+        self.samples, self.run = self.samples[-k:], k
         self.level = math.exp(recent) / (self.origin or math.exp(reference))
         self.origin = self.origin or math.exp(reference)
         self.median = math.exp(recent)
@@ -163,7 +165,7 @@ class LiveRates:
                 factor = now / was
             else:
                 self.factors[key] = before * detector.level
-            changes.append(Change(key, factor))
+            changes.append(Change(key, factor, detector.run))
         return changes
 
     def restart(self) -> None:
