@@ -154,6 +154,11 @@ class Adaptation:
         self._plan: StagedPlan | None = None
         self._latencies: deque[float] = deque(maxlen=TRIAL_FRAMES)
         self._bias: deque[float] = deque(maxlen=BIAS_FRAMES)
+        self._steady: deque[float] = deque(maxlen=BIAS_FRAMES)  # the latencies of the frames in ``_bias``
+        # the running plan's median latency before the change points not yet acted on (None: too few frames),
+        # and whether every one of them made a rate slower (`settled`)
+        self.level_before: float | None = None
+        self.slower_only = False
         self._predicted: tuple[tuple, float] | None = None  # (the plan and factors it was for, seconds)
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
@@ -177,13 +182,20 @@ class Adaptation:
             self._plan, self.worse = plan, False
             self._latencies.clear()
             self._bias.clear()
+            self._steady.clear()
         self._latencies.append(timing.latency)
         if self.latency and self._before is None:
             self._bias.append(timing.latency / self._running_seconds(plan))
+            self._steady.append(timing.latency)
         changes = self.live.observe(self.samples(plan, timing))
         if changes:  # the frames that made the change point ran at the new level: no part of the plan's bias
             for _ in range(min(max(c.run for c in changes), len(self._bias))):
                 self._bias.pop()
+                self._steady.pop()
+            if self._before is None:  # the first change point since the plan was last acted on
+                self.level_before = statistics.median(self._steady) if len(self._steady) >= BIAS_LEAST else None
+                self.slower_only = True
+            self.slower_only = self.slower_only and all(c.factor > 1 for c in changes)
         if any(c.key.startswith("antenna ") for c in changes):
             self._unseen_stale = True  # the radio changed: the antennas the plan leaves idle may have too
             self._unconfirmed |= {int(c.key.split()[1]) for c in changes if c.key.startswith("antenna ")}
@@ -195,6 +207,15 @@ class Adaptation:
             if self.worse and any(c.key.startswith("server ") and c.factor > 1 for c in changes):
                 self._servers_stale = True  # its work moves to servers known only by setup's one probe
         return changes
+
+    def settled(self, trial: Trial) -> bool:
+        """Whether ``trial``, switched to after change points that only made rates slower, measured within
+        ``margin`` of what the plan it replaced took before them: then no plan can beat it by ``margin`` (no
+        plan runs faster on slower rates than the best ran before, and the plan replaced was that best), and
+        the search after the switch would only take the camera's CPU from the frames (on the testbed its
+        probes and search took the frames after the switch from 70-90 ms to 100-145 for ten frames)."""
+        return (self.slower_only and self.level_before is not None
+                and statistics.median(trial.tried) <= self.level_before * (1 + self.margin))
 
     def _running_seconds(self, plan: StagedPlan) -> float:
         """``seconds(plan)`` on the current rates, worked out once per plan and rates."""

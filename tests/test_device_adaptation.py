@@ -615,3 +615,12 @@ def test_the_run_keeps_the_best_plan_without_its_busiest_server_in_reserve_and_a
     assert health.trial is not None and health.trial.plan is made[0], (lines, device.events)
     assert asked == [] and searched == [{"s0"}]  # nothing probed or searched before the trial
     assert "its models on the servers already" in health.trial.why
+    reserve = health.trial.runner
+    for _ in range(TRIAL_FRAMES):  # the next frames in a row, as fast as the offload ran before the change
+        assert health.current() is reserve
+        health.observe(reserve, _frame_taking(0.140, 0.012))
+    assert health.runner is reserve
+    # only slower rates, and the reserve within the margin of the plan before: no plan can beat it by the margin
+    assert asked == [] and searched == [{"s0"}]
+    assert lines[-1] == ("adapt: no search after the switch: offload to s1 measured 140.0 ms, within 15% of the "
+                         "132.0 ms before the change, and no rate got faster")
