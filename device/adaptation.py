@@ -413,13 +413,16 @@ class Adaptation:
     def reserve(self, running: StagedPlan, down: set[str]) -> tuple[StagedPlan, str] | None:
         """The plan to keep on the servers in reserve beside ``running``: the one the cost model prefers without
         the server ``running`` gives the most work (searched beside the frames, paced), and that server; None
-        where ``running`` uses no server, or that plan uses none or is known already (`known`). A server of the
-        plan that slows down then has a way out that needs no upload: on the testbed, a server cut to a quarter
-        took the offload's frames to 300-500 ms for 5.3 s while its replacement's model was fetched and loaded."""
+        where ``running`` uses no server, no other server is up, or that plan uses none or is known already
+        (`known`). A server of the plan that slows down then has a way out that needs no upload: on the testbed,
+        a server cut to a quarter took the offload's frames to 300-500 ms for 5.3 s while its replacement's model
+        was fetched and loaded."""
         if not running.servers:
             return None
         work = work_of(running, self.costs)
         heaviest = max(zip(running.servers, work, strict=True), key=lambda sw: sw[1].flops)[0]
+        if not [s for s in self.device.servers(down) if s != heaviest]:  # no other server up: nothing to keep
+            return None
         rates = self.rates()
         with self.device.uploads.busy(), paced(Pacer()):
             plan, _ = self.choose(self.propose(down | {heaviest}, rates), rates)

@@ -624,3 +624,20 @@ def test_the_run_keeps_the_best_plan_without_its_busiest_server_in_reserve_and_a
     assert asked == [] and searched == [{"s0"}]
     assert lines[-1] == ("adapt: no search after the switch: offload to s1 measured 140.0 ms, within 15% of the "
                          "132.0 ms before the change, and no rate got faster")
+
+
+def test_no_reserve_where_no_other_server_is_up():
+    """A one-server cluster (or every other server down) has nothing to keep in reserve, and no search runs."""
+    from types import SimpleNamespace
+
+    from deepco.planning.staged import Rates, offload_plan_on
+
+    rates = Rates({"s0": 1e10, "s1": 1e10}, [12.5e6], 0.005, 1e9, 1e8, 0.001)
+    costs = SimpleNamespace(total_flops=1.2e9, input_bytes=150528, tail_flops=lambda level: 0.0)
+    searched: list[set[str]] = []
+    device = SimpleNamespace(costs=costs, measured=SimpleNamespace(paced=False), rates=lambda: rates,
+                             uploads=Uploads(), servers=lambda down: [s for s in ["s0", "s1"] if s not in down])
+    adapt = Adaptation(device, lambda down, r: searched.append(set(down)) or [offload_plan_on("s1", 0)],
+                       seconds=lambda p, r: 1.0, keep_reserve=True)
+    assert adapt.reserve(offload_plan_on("s0", 0), {"s1"}) is None and searched == []
+    assert adapt.reserve(offload_plan_on("s0", 0), set())[1] == "s0" and searched == [{"s0"}]
