@@ -34,6 +34,11 @@ from deepco.wire.client import ServerError, WrongAnswer
 PROBE_SECONDS = 0.5  # how often a down server is asked whether it is back
 
 
+def _described(err: Exception) -> str:
+    """A background task's failure in a line: a UserError's own message, else the bug's type and message."""
+    return str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+
+
 class Health:
     """Which servers are down, and the runner frames use now: replaced on a failure, a rejoin or a switch.
 
@@ -145,7 +150,7 @@ class Health:
             try:
                 self.rejoin()
             except Exception as err:  # noqa: BLE001 - a UserError (ServerError) or a bug: one line, never silent
-                what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+                what = _described(err)
                 self.device.log(f"adapt: asking the servers down whether they are back failed: {what}")
             finally:
                 with self.lock:
@@ -242,7 +247,7 @@ class Health:
             with self.device.uploads.busy():
                 runner = self.make(plan)
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
-            what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+            what = _described(err)
             self.device.log(f"adapt: no reserve: {what}")
             return
         self.reserves.append(runner)  # its models stay on the servers for the run (held ones too: one more user)
@@ -297,7 +302,7 @@ class Health:
                 with self.device.uploads.busy():
                     trial.runner = self.make(trial.plan)
         except Exception as err:  # noqa: BLE001 - a UserError (ServerError, NoRoom) or a bug: one line, never silent
-            what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+            what = _described(err)
             self.device.log(f"adapt: {why}, but " + (f"could not try {trial.plan.brief()}: {what}" if trial
                                                      else f"no plan: {what}"))
             trial = None
