@@ -146,3 +146,12 @@ def two_servers():
         for srv in srvs:
             stack.callback(srv.stop, 0)
         yield srvs
+
+
+@pytest.fixture(scope="module")
+def two_servers_cluster(two_servers, tmp_path_factory):
+    """A cluster file naming `two_servers` s0 and s1."""
+    path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
+    path.write_text("".join(f'[[servers]]\nname = "s{i}"\naddress = "{s.address}"\n'
+                            for i, s in enumerate(two_servers)))
+    return path

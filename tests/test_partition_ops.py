@@ -279,3 +279,54 @@ def test_static_input_model_gets_a_dynamic_head(partition_compare):
     partition_compare(model, part, "b", [0, 5, 9, 30, 36], image)
     with pytest.raises(PartitionError, match="fixed at 71x40, not 64x40"):
         Partitioner(model, 64, 40)
+
+
+def focus_net(step: int = 2) -> onnx.ModelProto:
+    """YOLOX's Focus: every ``step``-th row and column from each start below the step, concatenated on the
+    channels (a space-to-depth written as strided Slices, as PyTorch exports ``x[..., ::2, 1::2]``), then a
+    strided convolution and a second Focus of its output."""
+    n = Net()
+
+    def focus(x: str, name: str) -> str:
+        parts = []
+        for r in range(step):
+            for c in range(step):
+                rows = n.op("Slice", [x, n.const(np.array([r])), n.const(np.array([2**63 - 1])),
+                                      n.const(np.array([2])), n.const(np.array([step]))])
+                parts.append(n.op("Slice", [rows, n.const(np.array([c])), n.const(np.array([2**63 - 1])),
+                                            n.const(np.array([3])), n.const(np.array([step]))]))
+        return n.op("Concat", parts, name=name, axis=1)
+
+    x = n.op("Relu", [n.conv(focus("input", "focus"), 3 * step * step, 8, (3, 3), pads=[1, 1, 1, 1])], name="a")
+    y = n.op("Relu", [n.conv(x, 8, 8, (3, 3), strides=[2, 2], pads=[1, 1, 1, 1])], name="b")
+    z = n.op("Relu", [n.conv(focus(y, "focus2"), 8 * step * step, 8, (3, 3), pads=[1, 1, 1, 1])], name="c")
+    return n.model(n.classifier(z, 8))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(step=st.sampled_from([2, 3]), rows=st.integers(6, 30), data=st.data())
+def test_strided_slices_of_rows_are_banded_exactly(partition_compare, step, rows, data):
+    """Focus (YOLOX, ddddocr's detector): a Slice taking every step-th row from a start below the step is a
+    one-row window at that stride, cropped by the start; bands at every cut equal the whole model."""
+    model = focus_net(step)
+    height, width = rows * step * step * 2, 8 * step * step * 2  # sizes the two Focus layers divide
+    part = Partitioner(model, height, width)
+    assert part.stop is not None and part.stop.op_type == "GlobalAveragePool"
+    cut = data.draw(st.sampled_from(part.cuts))
+    inner = data.draw(st.lists(st.integers(1, cut.height - 1), max_size=4, unique=True)) if cut.height > 1 else []
+    image = np.random.default_rng(rows).standard_normal((1, 3, height, width)).astype(np.float32)
+    partition_compare(model, part, cut, [0, *sorted(inner), cut.height], image)
+
+
+@pytest.mark.parametrize(("start", "end", "step", "why"), [
+    (0, 10, 1, "from 0 to 10 by 1"),  # a crop short of the border
+    (2, 2**63 - 1, 2, "from 2 to"),  # a start past the first step
+])
+def test_slices_of_rows_that_a_band_would_cut_differently_are_refused(start, end, step, why):
+    n = Net()
+    x = n.op("Relu", [n.conv("input", 3, 4, (3, 3), pads=[1, 1, 1, 1])], name="ok")
+    y = n.op("Slice", [x, n.const(np.array([start])), n.const(np.array([end])), n.const(np.array([2])),
+                       n.const(np.array([step]))], name="bad")
+    part = Partitioner(n.model(n.classifier(n.conv(y, 4, 4, (3, 3)), 4)), 32, 32)
+    assert part.stop is not None and part.stop.node == "bad" and why in part.stop.reason
+    assert [c.name for c in part.cuts] == ["ok"]

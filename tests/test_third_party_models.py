@@ -58,14 +58,6 @@ def detector(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(two_servers, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
-    path.write_text("".join(f'[[servers]]\nname = "s{i}"\naddress = "{s.address}"\n'
-                            for i, s in enumerate(two_servers)))
-    return path
-
-
-@pytest.fixture(scope="module")
 def plans(two_servers, detector, tmp_path_factory) -> dict[str, Path]:
     def make(planner, both: list[str]) -> dict:
         costs, rates = planner.costs, planner.rates()
@@ -79,10 +71,10 @@ def plans(two_servers, detector, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("what", ["split", "halo exchange"])
-def test_the_paddle_text_detector_partitioned_equals_the_whole_model(cluster, detector, plans, what, tmp_path,
-                                                                      capsys):
+def test_the_paddle_text_detector_partitioned_equals_the_whole_model(two_servers_cluster, detector, plans, what,
+                                                                     tmp_path, capsys):
     saved = tmp_path / "out.npz"
-    code = main(["run", "--cluster", str(cluster), "--model", detector, "--input-size", f"{H}x{W}",
+    code = main(["run", "--cluster", str(two_servers_cluster), "--model", detector, "--input-size", f"{H}x{W}",
                  "--source", str(PHOTO), "--frames", "2", "--plan", str(plans[what]), "--save-outputs", str(saved)])
     out, err = capsys.readouterr()
     assert code == 0, err

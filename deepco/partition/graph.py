@@ -357,10 +357,11 @@ class RowGraph:
         return align
 
     def rescales(self, nodes: Iterable[int]) -> bool:
-        """Whether any of ``nodes`` changes the row scale upwards (Resize, ConvTranspose): branches then
-        meet at different strides, and a slice lines them up only if its length is a multiple of the
-        alignment, like the model's own valid sizes."""
-        return any(not isinstance(self.rules[i].rows, Window) for i in nodes)
+        """Whether any of ``nodes`` changes the row scale upwards (Resize, ConvTranspose) or takes every k-th
+        row from a start past the first (YOLOX's Focus): branches then meet at different strides, or with
+        one row fewer where a slice's length is not a multiple of k, and a slice lines them up only if its
+        length is a multiple of the alignment, like the model's own valid sizes."""
+        return any(not isinstance(rule := self.rules[i].rows, Window) or rule.pad_top < 0 for i in nodes)
 
     # ---- row propagation -----------------------------------------------------------------------
 

@@ -371,7 +371,7 @@ def rule_for(
             raise Unsupported(f"{op} over axis {axis} (only over the channels, opset 13 or later, is per pixel)")
         return Rule(POINTWISE, POINTWISE)
     if op == "Slice":
-        return _slice_rule(node, spatial, const)
+        return _slice_rule(node, spatial, const, hw)
     if op == "Split":
         # torch's chunk (C2f in Ultralytics' exports) splits channels: every output maps rows one to one
         axis = _attr(node, "axis", 0)
@@ -469,7 +469,8 @@ def _transposed_rule(node: onnx.NodeProto, const_shape: Callable[[str], list[int
     return Rule(maps[0], maps[1])
 
 
-def _slice_rule(node: onnx.NodeProto, spatial: list[bool], const: Callable[[str], np.ndarray | None]) -> Rule:
+def _slice_rule(node: onnx.NodeProto, spatial: list[bool], const: Callable[[str], np.ndarray | None],
+                hw: tuple[int, int]) -> Rule:
     if any(spatial[1:]):
         raise Unsupported("Slice whose bounds depend on the image")
     values = []
@@ -482,13 +483,23 @@ def _slice_rule(node: onnx.NodeProto, spatial: list[bool], const: Callable[[str]
     starts, ends, axes, steps = values
     axes = axes or list(range(len(starts)))
     steps = steps or [1] * len(starts)
+    maps = {2: POINTWISE, 3: POINTWISE}
     for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
-        # a slice of the channels (C2f's split) is row for row; a crop of rows or columns is not banded
-        if axis % 4 in (2, 3) and not (start == 0 and step == 1 and end >= 2**31 - 1):
-            raise Unsupported(f"Slice along axis {axis} (a crop of rows or columns)")
         if axis % 4 == 0:
             raise Unsupported("Slice along the batch axis")
-    return Rule(POINTWISE, POINTWISE)
+        if axis % 4 == 1:  # a slice of the channels (C2f's split) is row for row
+            continue
+        # every step-th row from a fixed start to the end (YOLOX's Focus: x[..., ::2, ::2], a space-to-depth)
+        # is the window of one row at stride `step`, cropped by `start` rows; the same slice of a band whose
+        # offset is a multiple of the step picks the same rows. An end short of the border would crop
+        # differently in a band, and a start past the first step leaves rows no band owns.
+        if step < 1 or not 0 <= start < step or end < hw[axis % 4 - 2]:
+            raise Unsupported(
+                f"Slice along axis {axis} from {start} to {end} by {step} (only every step-th row or column "
+                "from a start below the step to the end is banded)"
+            )
+        maps[axis % 4] = Window(1, step, -start, 0)
+    return Rule(maps[2], maps[3])
 
 
 def _pad_rule(node: onnx.NodeProto, spatial: list[bool], const: Callable[[str], np.ndarray | None]) -> Rule:
