@@ -47,10 +47,11 @@ LEVELS = {"resnet18": ["layer1", "layer2.0", "layer2", "layer3.0", "layer3", "la
 
 
 @contextlib.contextmanager
-def server(threads: int) -> Iterator[str]:
+def server(threads: int, max_models: int = 32) -> Iterator[str]:
     """A `deepco serve` process on a free loopback port: its address."""
     proc = subprocess.Popen([sys.executable, "-m", "deepco", "serve", "--port", "0", "--threads", str(threads),
-                             "--max-models", "32"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--max-models", str(max_models)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
     try:

@@ -283,3 +283,21 @@ def test_sizes_that_depend_on_values_are_still_refused_and_nothing_big_is_folded
         finally:
             client.unload_model("big")
             client.unload_model("by-value")
+
+
+@pytest.mark.parametrize("name", ["yolov8n", "unet"])
+def test_the_cost_model_counts_every_output_byte_of_a_dynamic_export(partition_zoo, name):
+    """The zoo exports with dynamic rows and columns: the outputs coming back are as large as ONNX Runtime
+    makes them at the size (yolov8n's raw heads at 96x160: 144 channels at three strides), not one row and
+    column each (before: 1,152 bytes for yolov8n, so an offload's return over the antenna cost nothing)."""
+    from deepco_device.parts import ModelArtefacts
+    from deepco_device.preprocess import preprocessing_for
+
+    height, width = 96, 160
+    _, path = partition_zoo(name, height, width)
+    artefacts = ModelArtefacts(path, height, width, None, preprocessing_for(name))
+    artefacts.load()
+    session = ort.InferenceSession(artefacts.reference_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    spec = session.get_inputs()[0]
+    outputs = session.run(None, {spec.name: np.zeros((1, 3, height, width), np.float32)})
+    assert artefacts.costs.output_bytes == sum(o.nbytes for o in outputs) > 10_000

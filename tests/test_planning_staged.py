@@ -82,6 +82,7 @@ def test_the_physical_bound_is_the_formula():
     device = SimpleNamespace(
         height=10, width=20, channels=3,
         partitioner=SimpleNamespace(graph=SimpleNamespace(itemsize=1), total_flops=6e9),
+        costs=SimpleNamespace(output_bytes=40),
         measured=SimpleNamespace(antenna_bytes_per_second=[100.0, 200.0], server_flops_per_second={"a": 1e9},
                                  device_flops_per_second=2e9),
         cluster=SimpleNamespace(device=SimpleNamespace(antennas=[SimpleNamespace(bandwidth=None),
@@ -94,6 +95,10 @@ def test_the_physical_bound_is_the_formula():
     device.measured.server_flops_per_second = {"a": 1e12}  # compute no longer binds: the links do
     assert bound(device)["fps"] == pytest.approx(500.0 / 600)
     assert bound(device)["latency"] == pytest.approx(600 / 500.0)
+    # outputs larger than the image (a detector's raw heads) come back over the same antennas: they bind
+    device.costs.output_bytes = 1500
+    assert bound(device)["latency"] == pytest.approx(1500 / 500.0)
+    assert bound(device)["fps"] == pytest.approx(500.0 / 1500)
 
 
 def test_same_plan_ignores_the_name_and_the_prediction_only(costs):

@@ -242,6 +242,7 @@ def aggregate(runs: list[dict]) -> dict:
     point["repeats"] = len(runs)
     point["bound"] = {k: statistics.median(r["bound"][k] for r in runs) for k in ("latency", "fps")}
     point["bound"]["input_bytes"] = runs[0]["bound"]["input_bytes"]
+    point["bound"]["output_bytes"] = runs[0]["bound"].get("output_bytes")
     point["bound"]["model_flops"] = runs[0]["bound"]["model_flops"]
     point["algorithms"] = {}
     for name in runs[0]["algorithms"]:

@@ -60,20 +60,24 @@ def photo_pixels(height: int, width: int, how: Preprocessing = IMAGENET) -> np.n
 
 
 def bound(device: Device) -> dict:
-    """The physical bound of one point: latency >= max(input bytes as sent / sum of antenna bandwidths, model
-    FLOPs / (sum of server FLOP/s + device FLOP/s)); fps <= min(sum of antenna bandwidths / input bytes, sum
-    of compute / model FLOPs). FLOP rates as measured at setup; each antenna's bandwidth the larger of the
-    measured one and the cluster's (the shaping's rate): a probe on a busy machine can only underestimate a
-    link, and a bound must not be raised by that."""
+    """The physical bound of one point: latency >= max(input bytes as sent / sum of antenna bandwidths, output
+    bytes / the same, model FLOPs / (sum of server FLOP/s + device FLOP/s)); fps <= the least of the inverses.
+    Each antenna is shaped in each direction on its own, so the image going out and the outputs coming back
+    (a detector's raw heads: 11 MB at 736x1280, four times its image) each need the antennas' sum at least,
+    not together. FLOP rates as measured at setup; each antenna's bandwidth the larger of the measured one and
+    the cluster's (the shaping's rate): a probe on a busy machine can only underestimate a link, and a bound
+    must not be raised by that."""
     m = device.measured
     input_bytes = device.channels * device.height * device.width * device.partitioner.graph.itemsize
+    output_bytes = device.costs.output_bytes
     flops = device.partitioner.total_flops
     declared = [(a.bandwidth or 0.0) * 1e6 / 8 for a in device.cluster.device.antennas]
     link = sum(max(b, d) for b, d in zip(m.antenna_bytes_per_second, declared, strict=True))
     compute = sum(m.server_flops_per_second.values()) + m.device_flops_per_second
-    return {"latency": max(input_bytes / link, flops / compute), "fps": min(link / input_bytes, compute / flops),
-            "input_bytes": input_bytes, "model_flops": flops, "link_bytes_per_second": link,
-            "compute_flops_per_second": compute}
+    wire = max(input_bytes, output_bytes)
+    return {"latency": max(wire / link, flops / compute), "fps": min(link / wire, compute / flops),
+            "input_bytes": input_bytes, "output_bytes": output_bytes, "model_flops": flops,
+            "link_bytes_per_second": link, "compute_flops_per_second": compute}
 
 
 def summary(latencies: list[float], predicted: float) -> dict:
