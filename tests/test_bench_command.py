@@ -79,7 +79,7 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
                 "changed_after": 32, "auto": {"before": row, "after": row}, "phases": phases, "fresh_p50": p50,
                 "frames_until_adapted": adapted, "lost": {"before": 0, "after": 0}, "in_order": True,
                 "max_relative_error": 1e-6, "switches": [], "adaptation": joined, "latencies": [p50] * 54,
-                "bound": {"before": p50 / 2, "after": p50 / 4}}
+                "bound": {"before": p50 / 2, "after": p50 / 4}, "phase_frames": 20}
 
     from deepco_bench import scenarios
 
@@ -94,6 +94,10 @@ def test_a_scenario_finds_the_end_of_calibration_and_reports_medians_over_its_re
     # each phase's physical bound, a median over the repeats too: auto's p50 0.2 s over 0.1 and over 0.05
     assert "physical bound 100.0 ms; auto's p50 over it 2.00x" in report(result)
     assert "physical bound 50.0 ms; auto's p50 over it 4.00x" in report(result)
+    assert "WARNING" not in report(result)
+    # a phase shorter than --phase-frames (calibration ate into a run of fixed length) is said, not hidden
+    result["runs"][1]["auto"] = dict(result["runs"][1]["auto"], after={"frames": 13, "failed": 0, "p50": 0.2})
+    assert "WARNING: repeat 2 has 13 frames on one side of the change, fewer than --phase-frames" in report(result)
     plot(result, str(tmp_path / "scenario.png"))
     assert (tmp_path / "scenario.png").read_bytes().startswith(b"\x89PNG")
 

@@ -137,3 +137,28 @@ def test_at_its_own_size_the_chain_the_planner_picks_runs_exactly(two_servers, t
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (want,) = session.run(None, {"images": data["inputs"].astype(np.float32)})
     assert relative_error({"output": data["outputs"]}, {"output": want}) <= 1e-4
+
+
+def test_every_plan_kind_of_both_third_party_models_is_exact_with_deepco_run(tmp_path):
+    """bench/exact_plans.py at a small size, as CI can afford: both real third-party models (Paddle, PyTorch)
+    under every plan kind the planner makes for them, each saved and forced with `deepco run --plan` on three
+    real `deepco serve` processes, every output within 1e-4 of the whole model; a kind it cannot make is
+    reported with why and never counted as passed."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    out = tmp_path / "exact.json"
+    done = subprocess.run([sys.executable, "exact_plans.py", "--input-size", "96x128", "--models", "ppocr,yolox",
+                           "--json", str(out)], cwd=bench, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = json.loads(out.read_text())["records"]
+    ran = [r for r in records if "skipped" not in r]
+    assert {r["model"] for r in ran} == {"ppocr", "yolox"}
+    assert all(r["outputs"] and r["max_error"] <= 1e-4 for r in ran), ran
+    kinds = {r["kind"] for r in ran if r["model"] == "yolox"}
+    assert {"local", "offload", "round-robin", "split, lookahead, tail on the device",
+            "split, no lookahead, tail on a server", "split in parts (overlap)",
+            "stages across scales, halo exchanges, tail on a server"} <= kinds, kinds
+    assert any(r["overlap"] for r in ran)

@@ -50,7 +50,10 @@ SCENARIOS = ("bandwidth-drop", "bandwidth-rise", "server-slowdown", "server-join
 STATICS = ("local", "offload", "round-robin", "auto-fixed")
 ADAPTED_WINDOW = 10  # frames whose p50 must stay ...
 ADAPTED_WITHIN = 0.15  # ... at most 15% above the fresh setup's p50 (faster than a fresh setup is adapted too)
-CALIBRATION_ROOM = 60  # frames beyond the two phases: live calibration's, which come first (at most ~55)
+# frames beyond the two phases: live calibration's, which come first. At 100 Mbit/s it takes up to ~55; at 10
+# Mbit/s (bandwidth-rise's first phase) it took 83-87, which left the phase after the change 33-37 frames of
+# its 60 (the run's length is fixed when it starts). A frame is 70-150 ms: the spare room costs seconds.
+CALIBRATION_ROOM = 120
 FRESH_FRAMES = 20  # a fresh setup's frames after its calibration
 POLL = 0.05  # seconds between looks at a run's log (orchestration, not a test: the run goes at its own pace)
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
@@ -533,6 +536,10 @@ def report(result: dict) -> str:
         if unfinished:
             lines.append(f"       the fresh setup had not finished calibrating after {CALIBRATION_ROOM + FRESH_FRAMES} "
                          f"frames in {unfinished} of {len(runs)} repeat(s): its p50 there is of every frame it ran")
+    short = [(k + 1, r["auto"][side]["frames"]) for k, r in enumerate(runs) for side in ("before", "after")
+             if r["auto"][side]["frames"] < r.get("phase_frames", 0)]
+    lines += [f"WARNING: repeat {k} has {n} frames on one side of the change, fewer than --phase-frames"
+              for k, n in short]
     adapted = [r["frames_until_adapted"] for r in runs]
     lines += [f"frames until adapted: {m['frames_until_adapted']:g} (per repeat: "
               f"{', '.join('not within the phase' if a is None else str(a) for a in adapted)})",

@@ -2,7 +2,8 @@
 
 Every operator the partitioner supports reads, for output row I, the input rows of one *window*
 ``[I*stride - pad_top, I*stride - pad_top + extent)``: a convolution or pooling (extent
-(k-1)*dilation+1), a Pad (extent 1, stride 1, its own top padding; negative pads crop), and every
+(k-1)*dilation+1), a Pad (extent 1, stride 1, its own top padding; negative pads crop), a Slice of every
+k-th row from a start s below k to the end (YOLOX's Focus: extent 1, stride k, top padding -s), and every
 element-wise operator, BatchNormalization and channel Concat (extent 1, stride 1, no padding). Rows of
 the window outside the tensor are padding. Dilation reads a sparse subset of the window, but its two
 end taps are always real, so the window is also exactly the dependency hull. Width gets the same
