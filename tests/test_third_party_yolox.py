@@ -150,7 +150,7 @@ def test_every_plan_kind_of_both_third_party_models_is_exact_with_deepco_run(tmp
 
     bench = Path(__file__).resolve().parents[1] / "bench"
     out = tmp_path / "exact.json"
-    done = subprocess.run([sys.executable, "exact_plans.py", "--input-size", "96x128", "--models", "ppocr,yolox",
+    done = subprocess.run([sys.executable, "exact_plans.py", "--input-size", "128x160", "--models", "ppocr,yolox",
                            "--json", str(out)], cwd=bench, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     records = json.loads(out.read_text())["records"]
