@@ -288,7 +288,10 @@ class InferenceClient:
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         """ModelMetadata (inputs and outputs with data types and shapes; -1 for any size)."""
-        return self._call(self.inference.ModelMetadata, pb.ModelMetadataRequest(name=name))
+        meta = self._call(self.inference.ModelMetadata, pb.ModelMetadataRequest(name=name))
+        if len(meta.inputs) == 1:  # what `infer` would ask for again
+            self._input_names[name] = meta.inputs[0].name
+        return meta
 
     def loaded_models(self) -> list[str]:
         """Names of the models the server has loaded (RepositoryIndex)."""
@@ -309,7 +312,7 @@ class InferenceClient:
             meta = self.model_metadata(name)
             if len(meta.inputs) != 1:
                 raise UserError(f"model {name!r} has {len(meta.inputs)} inputs; use infer_many")
-            input_name = self._input_names[name] = meta.inputs[0].name
+            input_name = meta.inputs[0].name
         response = self._call(self.inference.ModelInfer, encode_request(name, {input_name: array}))
         outputs = decode_outputs(response)
         if len(outputs) != 1:
