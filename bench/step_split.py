@@ -2,7 +2,8 @@
 `deepco bench --json` (auto's recorded frames): the median of every phase of the servers' steps and the
 per-step overhead (a segment step's wall time less its compute; see deepco/timelines.py).
 
-    python bench/step_split.py run.jsonl [--gantt frame.png]     # --gantt: the median frame as a Gantt chart
+    python bench/step_split.py run.jsonl [--gantt frame.png] [--levels]
+        # --gantt: the median frame as a Gantt chart; --levels: each server's compute and wait per level
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from deepco.errors import UserError
-from deepco.timelines import gantt, split_text, step_split
+from deepco.timelines import by_level, by_level_text, gantt, split_text, step_split
 
 
 def records_of(path: str) -> list[dict]:
@@ -26,8 +27,9 @@ def records_of(path: str) -> list[dict]:
     try:
         if text.lstrip().startswith("{\n") or text.lstrip().startswith('{"points"'):
             document = json.loads(text)
-            return [{"staged": t} for p in document.get("points", []) for r in p.get("runs", [])
-                    for t in r.get("algorithms", {}).get("auto", {}).get("timelines", [])]
+            return [{"staged": t, "plan": auto.get("plan_text", "")} for p in document.get("points", [])
+                    for r in p.get("runs", []) for auto in [r.get("algorithms", {}).get("auto", {})]
+                    for t in auto.get("timelines", [])]
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not a JSON log ({exc.msg}, line {exc.lineno})") from None
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log", help="a --json-log file (JSON lines) or a deepco bench --json document")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the frame of median latency as a Gantt chart")
+    p.add_argument("--levels", action="store_true",
+                   help="also each server's median compute and wait for peers' rows at every level")
     args = p.parse_args(argv)
     try:
         records = [r for r in records_of(args.log) if r.get("staged") and not r.get("error")]
@@ -45,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         if not split["server_steps"]:
             raise UserError(f"{args.log}: no frame with server step timelines (a split or offload plan's run)")
         print(split_text(split))
+        if args.levels:  # per plan: the levels of two plans are not the same levels
+            plans = list(dict.fromkeys(r.get("plan", "") for r in records))
+            for plan in plans:
+                if len(plans) > 1:
+                    print(plan)
+                print(by_level_text(by_level(r for r in records if r.get("plan", "") == plan)))
         if args.gantt:
             timed = [r for r in records if r["staged"].get("servers")]
             median = statistics.median_low(r["staged"]["latency"] for r in timed)

@@ -8,6 +8,7 @@ placed on the frame's clock by the device.
   that wall time less its compute (``overhead``), and less also its wait for peers' rows
   (``overhead_less_halo``: what the server itself spends on messages, copies and Python; ``untimed``: the
   part of it in no timed phase).
+- `by_level`: per level and server, the median compute and wait for peers' rows: who keeps whom waiting.
 - `gantt`: one frame as a Gantt chart, a row per participant and per antenna.
 
 Pure functions on JSON dicts, so a log read back draws the same chart as the run that wrote it.
@@ -93,6 +94,48 @@ def split_text(split: dict) -> str:
         f"segment step: wall {ms(seg['wall'])}  compute {ms(seg['compute'])}  halo {ms(seg['halo'])}  "
         f"overhead {ms(seg['overhead'])} (less halo {ms(seg['overhead_less_halo'])}; in no phase: "
         f"{ms(seg['untimed'])})"])
+
+
+def by_level(records: Iterable[dict]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per server, per level of its timeline: the median over frames of its compute and of its wait for peers'
+    rows there (seconds). A server that computes longest at a level while its neighbours wait there is the
+    one the others wait for (the split's bands are not in proportion to the servers' speeds)."""
+    seen: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for record in records:
+        staged = record.get("staged", record) if isinstance(record, dict) else None
+        if not staged or record.get("error"):
+            continue
+        for step in frame_steps(staged):
+            frame: dict[int, dict[str, float]] = {}
+            for phase in (step.get("times") or {}).get("phases") or []:
+                if phase["phase"] in ("compute", "halo"):
+                    level = frame.setdefault(phase["level"], {"compute": 0.0, "halo": 0.0})
+                    level[phase["phase"]] += phase["end"] - phase["start"]
+            for level, spent in frame.items():
+                lists = seen.setdefault(step["name"], {}).setdefault(level, {"compute": [], "halo": []})
+                for key in ("compute", "halo"):
+                    lists[key].append(spent[key])
+    return {name: {level: {k: statistics.median(v) for k, v in lists.items()}
+                   for level, lists in sorted(levels.items())}
+            for name, levels in sorted(seen.items())}
+
+
+def by_level_text(table: dict[str, dict[int, dict[str, float]]]) -> str:
+    """`by_level` as a table (ms, compute / wait for peers' rows), and what the slowest server of each level
+    costs: the sum over levels of its compute against the sum of the servers' mean compute."""
+    names = list(table)
+    levels = sorted({level for per in table.values() for level in per})
+    lines = ["level  " + "  ".join(f"{n + ' compute/wait':>20}" for n in names)]
+    slowest = mean = 0.0
+    for level in levels:
+        cells = [table[n].get(level) for n in names]
+        lines.append(f"{level:5d}  " + "  ".join(
+            f"{c['compute'] * 1e3:9.1f}/{c['halo'] * 1e3:<10.1f}" if c else f"{'-':>20}" for c in cells))
+        computes = [c["compute"] for c in cells if c]
+        slowest, mean = slowest + max(computes), mean + statistics.fmean(computes)
+    lines.append(f"the slowest server's compute, summed over levels: {slowest * 1e3:.1f} ms; the servers' mean: "
+                 f"{mean * 1e3:.1f} ms")
+    return "\n".join(lines)
 
 
 # What each bar means, and its colour: receive (the input's transfer and decoding), compute, exchange

@@ -26,7 +26,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deepco_device.backpressure import while_busy
@@ -54,6 +54,7 @@ class Cached:
     compute_scale: float
     step_overhead: float
     probe_ratio: float | None = None  # setup's model/probe speed ratio, for servers measured later; None: unknown
+    balance: dict[str, float] = field(default_factory=dict)  # the servers' slowness against each other (fitted)
 
 
 def _digest(data: bytes) -> str:
@@ -137,7 +138,8 @@ class PlanCache:
             ratio = data.get("probe_ratio")
             cached = Cached(StagedPlan.from_dict(data["plan"]), _measurements(data["measured"]),
                             float(data["compute_scale"]), float(data["step_overhead"]),
-                            None if ratio is None else float(ratio))
+                            None if ratio is None else float(ratio),
+                            {str(k): float(v) for k, v in data.get("balance", {}).items()})
             names = {s["name"] for s in key["servers"]}
             measured = set(cached.measured.server_flops_per_second)
             if not set(cached.plan.servers) <= names | {DEVICE} or measured != names:
@@ -155,7 +157,7 @@ class PlanCache:
         height, width = key["input_size"]
         data = {"format": FORMAT, "key": key, **plan_document(model, height, width, cached.plan),
                 "measured": cached.measured.to_dict(), "compute_scale": cached.compute_scale,
-                "step_overhead": cached.step_overhead, "probe_ratio": cached.probe_ratio}
+                "step_overhead": cached.step_overhead, "probe_ratio": cached.probe_ratio, "balance": cached.balance}
         temporary = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -203,7 +205,7 @@ class CacheUse:
         self.cached = self.cache.load(self.key)
         if self.cached is not None:
             c = self.cached
-            device.restore(c.measured, c.compute_scale, c.step_overhead, c.probe_ratio)
+            device.restore(c.measured, c.compute_scale, c.step_overhead, c.probe_ratio, c.balance)
             say(f"plan cache: warm start from {self.cache.path(self.key)}: no measuring, no calibration")
 
     def plan(self, planner, objective: str) -> StagedPlan:
@@ -233,7 +235,7 @@ class CacheUse:
             self.say(f"plan cache: nothing written: {unsettled} before calibration settled")
             return
         m = device.measurements
-        cached = Cached(plan, m.measurements, m.compute_scale, m.step_overhead, m.probe_ratio)
+        cached = Cached(plan, m.measurements, m.compute_scale, m.step_overhead, m.probe_ratio, dict(m.balance))
         path = self.cache.store(self.key, self.model, cached)
         if path is not None:
             self.say(f"plan cache: wrote {path}")

@@ -166,7 +166,8 @@ class StagedPlanner:
         for seconds, and no plan can run before the whole model sent ahead has landed)."""
         self.room, self._unfit_told = self.free_slots(), False
         dev = self.device
-        runs = _PlanRuns(dev, live or _BlankFrames(self._blank()))
+        balance = calibration.Balance(self.costs, dev.measured.rates())
+        runs = _PlanRuns(dev, live or _BlankFrames(self._blank()), balance)
         if live is not None and first_on_device:  # the first result does not wait for the ranking (`_plan`)
             runs.first_on_device()
         try:
@@ -174,7 +175,7 @@ class StagedPlanner:
                 self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
                 frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
                 compute_scale=self.compute_scale, step_overhead=self.step_overhead,
-                spare=runs.spare if standby else None)
+                spare=runs.spare if standby else None, balance=balance)
         except SourceEnded:
             return self.best(objective)  # no frame is left to run it on
         except ServerError as exc:
@@ -187,6 +188,7 @@ class StagedPlanner:
             dev.log(f"calibration stopped: {exc}; going on uncalibrated without {', '.join(sorted(down)) or 'it'}")
             return self.best(objective, exclude=down)
         dev.measurements.compute_scale, dev.measurements.step_overhead = result.compute_scale, result.step_overhead
+        dev.measurements.balance = result.balance
         self.trials += result.trials
         self.standby += runs.spared
         if runs.spared:
@@ -378,8 +380,8 @@ class _PlanRuns:
     """Calibration's ``time_plan`` and ``release`` on the device: a runner per plan, its models on the servers
     until the plan is released, and its frames from ``frames`` (`LiveFrames`, or `_BlankFrames`)."""
 
-    def __init__(self, device: Device, frames: LiveFrames | _BlankFrames):
-        self.device, self.frames = device, frames
+    def __init__(self, device: Device, frames: LiveFrames | _BlankFrames, balance: calibration.Balance | None = None):
+        self.device, self.frames, self.balance = device, frames, balance
         self._runners: dict[str, StagedRunner] = {}
         self.spared: list[StagedRunner] = []
         self._local: StagedRunner | None = None  # the device alone, for live frames while models are sent
@@ -402,7 +404,7 @@ class _PlanRuns:
                 raise Unfit(str(exc)) from None
         if warm_up:
             self._frame(runner)
-        latencies = [self._frame(runner) for _ in range(frames)]
+        latencies = [self._frame(runner, timed=True) for _ in range(frames)]
         if latencies:
             self._timed[key] = float(np.median(latencies))
         return latencies
@@ -466,8 +468,10 @@ class _PlanRuns:
         """The device alone's predicted latency."""
         return local_plan(self.device.costs, self.device.measured.rates()).predicted
 
-    def _frame(self, runner: StagedRunner) -> float:
-        """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames."""
+    def _frame(self, runner: StagedRunner, timed: bool = False) -> float:
+        """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames. A
+        ``timed`` one's server compute times go to the balance (not a frame beside a set-up: the servers it loads
+        models on compute slower meanwhile)."""
         x = self.frames.next()
         try:
             outputs, timing = runner.run_frame(x)
@@ -475,6 +479,8 @@ class _PlanRuns:
             self.frames.put_back(x)
             raise
         self.frames.done(outputs, timing, runner.plan)
+        if timed and self.balance is not None:
+            self.balance.add(runner.plan, {step.name: step.compute for step in timing.servers})
         return timing.latency
 
     def pipelined(self, option: slo.Option, frames: int) -> slo.Trial:

@@ -259,3 +259,28 @@ def test_a_warm_start_with_a_server_down_leaves_it_out_as_setup_does(capsys, net
     assert "calibration (" not in out and "plan cache: wrote" not in out, out
     assert json.loads(written.read_text())["plan"] == offload  # not written over
     exact(net, tmp_path / "o.npz", 4)
+
+
+def test_the_servers_speeds_against_each_other_are_kept_and_an_older_file_without_them_reads_as_none(tmp_path):
+    """Calibration's balance (each server's slowness on the model against the others') goes into the cache with
+    the compute scale, so that a warm start plans on the rates the cold one settled on; a file written before
+    it was kept reads as no balance (the probe's rates as they are)."""
+    from deepco_device.measuring import Measurements
+    from deepco_device.plan_cache import Cached, PlanCache
+
+    from deepco.planning.staged import StagedPlan
+
+    measured = Measurements({"s0": 2e9, "s1": 4e9}, [1e6, 1e6], paced=False, request_overhead=0.001,
+                            device_flops_per_second=1e9, peer_bytes_per_second=1e8, peer_overhead=0.0005,
+                            device_seconds_per_byte=1e-9)
+    plan = StagedPlan.from_dict({"kind": "local", "servers": [], "predicted": 0.1, "algorithm": "local"})
+    key = {"format": 2, "servers": [{"name": "s0", "addresses": ["a:1"], "id": "x"},
+                                    {"name": "s1", "addresses": ["b:1"], "id": "y"}], "input_size": [64, 64]}
+    cache = PlanCache(tmp_path, lambda line: pytest.fail(line))
+    path = cache.store(key, "net.onnx", Cached(plan, measured, 1.5, 0.004, 1.0, {"s0": 0.5, "s1": 2.0}))
+    again = cache.load(key)
+    assert (again.compute_scale, again.step_overhead, again.balance) == (1.5, 0.004, {"s0": 0.5, "s1": 2.0})
+    older = json.loads(path.read_text())
+    del older["balance"]
+    path.write_text(json.dumps(older))
+    assert cache.load(key).balance == {}

@@ -18,7 +18,7 @@ from test_server_support import serve_process
 from test_staged_runtime import make_device, pixels, reference
 
 from deepco.planning.staged import split_plan
-from deepco.timelines import gantt, gantt_bars, segment_steps, step_split
+from deepco.timelines import by_level, gantt, gantt_bars, segment_steps, step_split
 
 ROOT = Path(__file__).resolve().parent.parent
 SLACK = 1e-3  # seconds: the device's estimate of a step's start comes from its own clock
@@ -88,9 +88,20 @@ def test_a_split_frames_steps_carry_timelines_within_their_wall_time_and_draw_a_
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "step_split.py"), str(log), "--gantt",
-                           str(tmp_path / "again.png")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "again.png"), "--levels"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "segment step: wall" in done.stdout and (tmp_path / "again.png").exists()
+    # per level and server, the median of each frame's compute there, as the segment steps cut it
+    table = by_level(records)
+    assert set(table) == {"s0", "s1"} and list(table["s0"]) == [1, 2, 3]
+    for name, index in (("s0", 0), ("s1", 1)):
+        for level, spent in table[name].items():
+            per_frame = [sum(seg["compute"] for seg in segment_steps(r["staged"]["servers"][index]["times"])
+                             if seg["level"] == level) for r in records]
+            assert spent["compute"] == pytest.approx(float(np.median(per_frame)))
+            assert spent["halo"] >= 0
+    slowest = sum(max(table[n][level]["compute"] for n in table if level in table[n]) for level in (1, 2, 3))
+    assert f"the slowest server's compute, summed over levels: {slowest * 1e3:.1f} ms" in done.stdout
 
 
 def test_step_split_refuses_a_missing_log_in_one_line(tmp_path):

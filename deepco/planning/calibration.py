@@ -7,9 +7,13 @@ things it cannot know until frames have run:
   (EfficientNet's depthwise convolutions run at a fraction of a ResNet convolution's FLOP rate): a
   ``compute_scale`` that divides every server's FLOP rate (not the device's: setup timed the device on the
   whole model);
-- the fixed cost of one server step (message, ORT call, Python, all under a CPU quota): ``step_overhead``.
+- the fixed cost of one server step (message, ORT call, Python, all under a CPU quota): ``step_overhead``;
+- how fast each server runs this model *against the others* (`Balance`): setup's short probe of each server
+  can be off by a quarter either way, and a split sized on it makes the servers it overrates late at every
+  level while their neighbours wait for their rows. The servers' own compute times in the frames of a split
+  put each server's rate in proportion to the others'; the scale is fitted on top of that.
 
-`fit` finds both from timed plans by least squares on *relative* error (the planner's quality is judged as
+`fit` finds the first two from timed plans by least squares on *relative* error (the planner's quality is judged as
 measured / predicted). `choose` picks among plans timed side by side. `calibrate` is the loop that times
 plans through a callback (the device runs them on its servers), fits, plans again and chooses.
 """
@@ -22,9 +26,10 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from deepco.planning.live_rates import work_of
 from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps
 
 SCALE_BOUNDS = (0.25, 4.0)  # a model's FLOP rate within 4x of the profiled head's, either way
@@ -47,6 +52,55 @@ class Timed:
 def with_compute_scale(rates: Rates, scale: float) -> Rates:
     """``rates`` with every server's FLOP rate divided by ``scale``."""
     return replace(rates, server_flops_per_second={k: v / scale for k, v in rates.server_flops_per_second.items()})
+
+
+BALANCE_BOUNDS = (1 / 3, 3.0)  # a server's rate on this model within 3x of its probe's, against the others'
+
+
+def with_balance(rates: Rates, balance: dict[str, float]) -> Rates:
+    """``rates`` with each server's FLOP rate divided by its factor in ``balance`` (`Balance.factors`; 1 where
+    it has none)."""
+    if not balance:
+        return rates
+    return replace(rates, server_flops_per_second={k: v / balance.get(k, 1.0)
+                                                   for k, v in rates.server_flops_per_second.items()})
+
+
+class Balance:
+    """Each server's speed on this model in proportion to the others', from the frames of splits.
+
+    A server step reports its own ONNX Runtime seconds (`StepTimes.compute`); over the FLOPs of its band
+    (halo rows included, `work_of`) at the rate setup measured for it, that is its slowness. Only splits count
+    (every server of one runs the same layers, so their slownesses compare like with like; an offload runs
+    other layers). `factors` puts each server's median slowness over the geometric mean of all of them: a
+    server the probe overrated gets a factor above 1, and the rates it is planned on are divided by it
+    (`with_balance`); the common part stays for the compute scale. On the camera preset, a 0.35-core server
+    probed faster than its 0.45-core neighbours computed every level of a YOLOv8n split 1.6-2.4x longer than
+    them, and they waited 60-100 ms a level for its rows."""
+
+    def __init__(self, costs: CostModel, measured: Rates):
+        self.costs, self.measured = costs, measured
+        self.slowness: dict[str, list[float]] = {}
+
+    def add(self, plan: StagedPlan, computes: dict[str, float]) -> None:
+        """One frame of ``plan``: ``computes``, each server's compute seconds in it."""
+        servers = [s for s in plan.servers if s != DEVICE]
+        if len(servers) < 2 or not plan.levels:
+            return
+        for name, work in zip(plan.servers, work_of(plan, self.costs), strict=True):
+            rate, seconds = self.measured.server_flops_per_second.get(name), computes.get(name)
+            if name != DEVICE and rate and seconds and seconds > 0 and work.flops > 0:
+                self.slowness.setdefault(name, []).append(seconds / (work.flops / rate))
+
+    def factors(self) -> dict[str, float]:
+        """Per server seen, its median slowness over the geometric mean of all of theirs, within
+        ``BALANCE_BOUNDS``; none until two servers were seen."""
+        medians = {name: statistics.median(v) for name, v in self.slowness.items() if v}
+        if len(medians) < 2:
+            return {}
+        mean = math.exp(statistics.fmean(math.log(m) for m in medians.values()))
+        low, high = BALANCE_BOUNDS
+        return {name: min(high, max(low, m / mean)) for name, m in medians.items()}
 
 
 def _overhead_for(timed: Sequence[Timed], bases: list[float]) -> float:
@@ -199,6 +253,7 @@ class Calibrated:
     compute_scale: float
     step_overhead: float
     trials: list[dict]
+    balance: dict[str, float] = field(default_factory=dict)  # `Balance.factors` at the end
 
 
 def plan_key(plan: StagedPlan) -> str:
@@ -224,8 +279,10 @@ class _Bench:
     those that can still be chosen: a plan too slow to reach the runoff is released at once), and the fit."""
 
     def __init__(self, costs: CostModel, measured: Rates, time_plan: TimePlan, release: Callable[[StagedPlan], None],
-                 log: Callable[[str], None], frames: int, scale: float, overhead: float, settle: float):
+                 log: Callable[[str], None], frames: int, scale: float, overhead: float, settle: float,
+                 balance: Balance | None = None):
         self.costs, self.measured, self.time_plan, self.release = costs, measured, time_plan, release
+        self.balance = balance
         self.log, self.frames, self.settle = log, frames, settle
         self.scale, self.overhead = scale, overhead
         self.timed: dict[str, Timed] = {}
@@ -234,9 +291,13 @@ class _Bench:
         self.trials: list[dict] = []
         self._kept: str | None = None
 
+    def base(self) -> Rates:
+        """The measured rates, each server's put in proportion to the others' as the frames so far showed."""
+        return with_balance(self.measured, self.balance.factors()) if self.balance is not None else self.measured
+
     def rates(self) -> Rates:
         """The measured rates with the model fitted so far."""
-        return replace(with_compute_scale(self.measured, self.scale), step_overhead=self.overhead)
+        return replace(with_compute_scale(self.base(), self.scale), step_overhead=self.overhead)
 
     def first_new(self, ranked: list[StagedPlan]) -> StagedPlan | None:
         """The best of ``ranked`` not refused for room (timed or not: the caller stops when it repeats)."""
@@ -271,7 +332,7 @@ class _Bench:
         return seconds
 
     def refit(self) -> None:
-        self.scale, self.overhead = fit(list(self.timed.values()), self.costs, self.measured)
+        self.scale, self.overhead = fit(list(self.timed.values()), self.costs, self.base())
 
     def time(self, plan: StagedPlan, note: str, keep: Collection[str] | None = ()) -> None:
         """Time ``plan`` on ``frames`` frames after a warm-up, refit the cost model, log it, and release the
@@ -282,12 +343,15 @@ class _Bench:
         key = plan_key(plan)
         self.timed[key] = Timed(plan, seconds)
         self.refit()
+        factors = self.balance.factors() if self.balance is not None else {}
         self.trials.append({"plan": plan.describe(), "predicted": plan.predicted, "measured": self.timed[key].mean,
                             "steps": steps(plan), "step_overhead": self.overhead, "compute_scale": self.scale,
-                            "note": note})
+                            "note": note} | ({"balance": factors} if factors else {}))
+        slowness = (", servers' slowness against each other " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
+            factors.items()))) if factors else ""
         self.log(f"calibration ({note}): {plan.describe()}: predicted {plan.predicted * 1e3:.1f} ms, "
                  f"measured {self.timed[key].mean * 1e3:.1f} ms; now compute scale "
-                 f"{self.scale:.2f}, step overhead {self.overhead * 1e3:.2f} ms")
+                 f"{self.scale:.2f}, step overhead {self.overhead * 1e3:.2f} ms{slowness}")
         finalists = set(self.finalists())
         self.give_back(lambda k: k not in finalists)
 
@@ -339,7 +403,7 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
               release: Callable[[StagedPlan], None], *, objective: str = "latency", frames: int = 2, rounds: int = 3,
               runoff_frames: int = 6, log: Callable[[str], None] = print, compute_scale: float = 1.0,
               step_overhead: float = 0.0, settle: float = SETTLE_SECONDS,
-              spare: Callable[[StagedPlan], None] | None = None) -> Calibrated:
+              spare: Callable[[StagedPlan], None] | None = None, balance: Balance | None = None) -> Calibrated:
     """Plan (``candidates`` on the rates fitted so far), time the plan (``time_plan``), fit the cost model's
     compute scale and per-step overhead (`fit`, from the measured ``rates``), plan again; stop when the plan
     repeats. For latency, time local, the best offload and the paper's shape as contenders too, then run the
@@ -350,8 +414,10 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
     released in case they are what fills the servers; every plan that cannot be chosen any more is released
     at once (``release``), and at the end every plan but the chosen one: calibration never holds more than the
     finalists' resources. With ``spare``, the finalists still held at the end go to it instead of ``release``
-    (live adaptation keeps their models on the servers: a switch to a plan that needs them uploads nothing)."""
-    bench = _Bench(costs, rates, time_plan, release, log, frames, compute_scale, step_overhead, settle)
+    (live adaptation keeps their models on the servers: a switch to a plan that needs them uploads nothing).
+    With ``balance`` (fed by ``time_plan`` with every split frame's server compute times), each server's rate is
+    put in proportion to the others' as measured before the scale is fitted and plans are made again."""
+    bench = _Bench(costs, rates, time_plan, release, log, frames, compute_scale, step_overhead, settle, balance)
     try:
         plan = _calibrate(bench, candidates, objective, rounds, runoff_frames)
         if spare is not None:
@@ -359,7 +425,8 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
                 spare(bench.held.pop(key))
     finally:
         bench.give_back(lambda k: k != bench._kept)
-    return Calibrated(plan, bench.scale, bench.overhead, bench.trials)
+    return Calibrated(plan, bench.scale, bench.overhead, bench.trials,
+                      balance.factors() if balance is not None else {})
 
 
 def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: int, runoff_frames: int) -> StagedPlan:
