@@ -338,6 +338,11 @@ def test_balance_puts_each_servers_rate_in_proportion_to_the_others_from_split_f
     far = Balance(costs, r)
     far.add(split, {"s0": 1e-6, "s1": 10.0})
     assert far.factors() == pytest.approx({"s0": BALANCE_BOUNDS[0], "s1": BALANCE_BOUNDS[1]})
+    # servers a thousand times faster: a stage takes microseconds, which time ONNX Runtime's calls, not the rate
+    quick = replace(r, server_flops_per_second={"s0": 4e12, "s1": 1e12})
+    short = Balance(costs, quick)
+    short.add(split, _split_computes(split, costs, replace(quick, server_flops_per_second={"s0": 4e12, "s1": 5e11})))
+    assert short.factors() == {}
 
 
 @pytest.mark.parametrize("balanced", [True, False])

@@ -55,6 +55,9 @@ def with_compute_scale(rates: Rates, scale: float) -> Rates:
 
 
 BALANCE_BOUNDS = (1 / 3, 3.0)  # a server's rate on this model within 3x of its probe's, against the others'
+# a server's compute per stage below this measures ONNX Runtime's cost per call, not the server's rate: at
+# 224x224 a 7-stage split over four servers (1-3 ms a stage) read two 0.35-core servers as 2.8 and 0.48
+BALANCE_LEAST_STAGE_SECONDS = 0.01
 
 
 def with_balance(rates: Rates, balance: dict[str, float]) -> Rates:
@@ -72,11 +75,12 @@ class Balance:
     A server step reports its own ONNX Runtime seconds (`StepTimes.compute`); over the FLOPs of its band
     (halo rows included, `work_of`) at the rate setup measured for it, that is its slowness. Only splits count
     (every server of one runs the same layers, so their slownesses compare like with like; an offload runs
-    other layers). `factors` puts each server's median slowness over the geometric mean of all of them: a
-    server the probe overrated gets a factor above 1, and the rates it is planned on are divided by it
-    (`with_balance`); the common part stays for the compute scale. On the camera preset, a 0.35-core server
-    probed faster than its 0.45-core neighbours computed every level of a YOLOv8n split 1.6-2.4x longer than
-    them, and they waited 60-100 ms a level for its rows."""
+    other layers), and only where a server's compute per stage is long enough to time its rate
+    (``BALANCE_LEAST_STAGE_SECONDS`` at the rate setup measured). `factors` puts each server's median slowness
+    over the geometric mean of all of them: a server the probe overrated gets a factor above 1, and the rates it
+    is planned on are divided by it (`with_balance`); the common part stays for the compute scale. On the
+    camera preset, a 0.35-core server probed faster than its 0.45-core neighbours computed every level of a
+    YOLOv8n split 1.6-2.4x longer than them, and they waited 60-100 ms a level for its rows."""
 
     def __init__(self, costs: CostModel, measured: Rates):
         self.costs, self.measured = costs, measured
@@ -89,7 +93,9 @@ class Balance:
             return
         for name, work in zip(plan.servers, work_of(plan, self.costs), strict=True):
             rate, seconds = self.measured.server_flops_per_second.get(name), computes.get(name)
-            if name != DEVICE and rate and seconds and seconds > 0 and work.flops > 0:
+            if name == DEVICE or not rate or not seconds or seconds <= 0:
+                continue
+            if work.flops / rate >= BALANCE_LEAST_STAGE_SECONDS * len(plan.levels):
                 self.slowness.setdefault(name, []).append(seconds / (work.flops / rate))
 
     def factors(self) -> dict[str, float]:
