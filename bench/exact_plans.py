@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from deepco_bench.third_party import dynamic_yolox, wheel_file
 from deepco_device.answers import relative_error
 from deepco_device.plan_command import save_plan
 from deepco_device.session import Device
@@ -49,12 +50,10 @@ YOLOX_CARD = 'order = "bgr"\nmean = [0.0]\nstd = [1.0]\nscale = 1.0\nresize = "s
 
 
 def _shipped(package: str, *parts: str) -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
+    path = wheel_file(package, *parts)
+    if path is None:
         raise SystemExit(f"{package} is not installed: pip install -e '.[test]'")
-    return Path(spec.origin).parent.joinpath(*parts)
+    return path
 
 
 def model_path(name: str, folder: Path) -> str:
@@ -65,12 +64,7 @@ def model_path(name: str, folder: Path) -> str:
         (folder / "ppocr.toml").write_text(f"[input]\n{PPOCR_CARD}")
         return str(path)
     if name == "yolox":
-        from onnx.tools import update_model_dims
-
-        model = onnx.load(_shipped("ddddocr", "common_det.onnx"))
-        del model.graph.value_info[:]
-        model = update_model_dims.update_inputs_outputs_dims(model, {"images": [1, 3, "height", "width"]},
-                                                             {"output": [1, "boxes", 6]})
+        model = dynamic_yolox(onnx.load(_shipped("ddddocr", "common_det.onnx")))
         path = folder / "yolox.onnx"
         onnx.save(model, path)
         (folder / "yolox.toml").write_text(f"[input]\n{YOLOX_CARD}")

@@ -12,7 +12,6 @@ its FLOPs at this size: one stage across scales has nothing to add there, so it 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import onnxruntime as ort
 import plan_support
 import pytest
+from deepco_bench.third_party import wheel_file
 from deepco_device.answers import relative_error
 
 from deepco.cli import main
@@ -41,10 +41,10 @@ class_names = ["background", "text"]
 
 def shipped(package: str, *parts: str) -> Path:
     """A file inside an installed wheel, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
+    path = wheel_file(package, *parts)
+    if path is None:
         pytest.skip(f"{package} is not installed (pip install -e '.[test]')")
-    return Path(spec.origin).parent.joinpath(*parts)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import onnx
 import onnxruntime as ort
 import plan_support
 import pytest
+from deepco_bench.third_party import dynamic_yolox
 from deepco_device.answers import relative_error
-from onnx.tools import update_model_dims
 from test_third_party_models import shipped
 
 from deepco.cli import main
@@ -42,19 +42,11 @@ def fixed_file() -> Path:
     return shipped("ddddocr", "common_det.onnx")
 
 
-def dynamic(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same weights with the image's height and width (and the boxes' count) left free: what a user
-    re-exporting with dynamic axes gets, made with onnx's own tool."""
-    del model.graph.value_info[:]
-    return update_model_dims.update_inputs_outputs_dims(model, {"images": [1, 3, "height", "width"]},
-                                                        {"output": [1, "boxes", 6]})
-
-
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("yolox")
     path = folder / "det.onnx"
-    onnx.save(dynamic(onnx.load(fixed_file())), path)
+    onnx.save(dynamic_yolox(onnx.load(fixed_file())), path)
     (folder / "det.toml").write_text(CARD)
     return str(path)
 
