@@ -335,6 +335,27 @@ def test_after_an_antennas_change_the_antennas_the_plan_leaves_idle_are_probed_b
     assert adapt.rates().antenna_bytes_per_second[1] == pytest.approx(1.25e6)
 
 
+def test_a_change_starts_a_search_only_where_it_could_move_two_plans_apart_by_the_margin():
+    """A rate moved by f moves any plan's time by at most f, so two plans' ratio by at most f: a change point
+    under the margin (an antenna read as 1.08x slower on the testbed, whose probe of the link the frames were
+    using took them from 90 to 130-190 ms) starts nothing; one over it does, and so do small steps that add up
+    to more than the margin while nothing acted on them (a drift)."""
+    from types import SimpleNamespace
+
+    from deepco.planning.live_rates import Change, LiveRates
+
+    adapt = SimpleNamespace(margin=0.15, _before=None, live=LiveRates())
+    assert not Adaptation.matters(adapt, [Change("antenna 0", 1.08)])
+    assert not Adaptation.matters(adapt, [Change("antenna 0", 1 / 1.14)])
+    assert Adaptation.matters(adapt, [Change("antenna 0", 1.2)])
+    assert Adaptation.matters(adapt, [Change("antenna 0", 1.09), Change("server s0", 1.09)])  # 1.19 apart at most
+    # two steps of 1.1 with nothing acted on between them: 1.21 since the plan was last looked at
+    adapt._before, adapt.live.factors = {}, {"server s0": 1.1}
+    assert not Adaptation.matters(adapt, [Change("server s0", 1.1)])
+    adapt.live.factors = {"server s0": 1.21}
+    assert Adaptation.matters(adapt, [Change("server s0", 1.1)])
+
+
 @pytest.mark.parametrize(("probed", "searched"), [(12.5e6, False), (1.25e6, True), (25e6, False)])
 def test_an_antennas_change_point_is_probed_and_one_the_probe_does_not_confirm_starts_no_search(probed, searched):
     """Seen on the testbed's 0.1-core camera: three frames whose sends waited for the camera's CPU read as

@@ -220,7 +220,7 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
             asked.append((why, gentle))
             return None
 
-        worse, margin = False, 0.15
+        worse, margin, _before = False, 0.15, None
         matters = Adaptation.matters
 
         def observe(self, plan, timing):
