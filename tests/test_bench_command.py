@@ -189,3 +189,25 @@ def test_live_adaptations_change_points_reach_the_json_log_and_the_scenario_repo
     path = tmp_path / "run.jsonl"
     path.write_text('{"frame": 0}\n' + log.getvalue() + '{"frame": 1}\n')
     assert _change_points(path) == [{"after_frame": 0, "what": ["server s0 4.00x slower"]}]
+
+
+def test_the_timed_bound_takes_each_servers_rate_from_its_whole_model_frames():
+    """The bound on the servers' rates as they ran the model in the run (offload and round-robin frames), not as
+    setup's 0.3 s probe read them; a server no such frame ran on keeps its probe times what the timed servers'
+    model rate is over their probe. Rates here: model 1 GFLOP; s0 probed at 10 GFLOP/s, computed it in 50 ms
+    (20 GFLOP/s, twice its probe), so s1 (probed 10, never timed) counts 20; the device's local frames took 1 s
+    (1 GFLOP/s). Compute: 41 GFLOP/s, 24.4 ms a frame, above the wire's 1 MB at 100 MB/s (10 ms)."""
+    from deepco_bench.benchmark import timed_bound
+
+    limits = {"model_flops": 1e9, "input_bytes": 1e6, "output_bytes": 4e3, "link_bytes_per_second": 1e8}
+    measured = {"server_flops_per_second": {"s0": 1e10, "s1": 1e10}, "device_flops_per_second": 5e8}
+    algorithms = {"local": {"timelines": [{"latency": 1.0, "compute": 1.0}]},
+                  "offload": {"timelines": [{"server": "s0", "compute": c} for c in (0.05, 0.05, 0.9)]},
+                  "round-robin": {"timelines": [{"server": "s0", "compute": 0.05}]}}
+    timed = timed_bound(limits, measured, algorithms)
+    assert timed["server_flops_per_second"] == pytest.approx({"s0": 2e10, "s1": 2e10})
+    assert timed["device_flops_per_second"] == pytest.approx(1e9)
+    assert timed["latency"] == pytest.approx(1e9 / 41e9)
+    assert timed["servers_timed"] == ["s0"] and timed["device_timed"]
+    # without a whole-model frame on any server there is nothing to time them by
+    assert timed_bound(limits, measured, {"local": algorithms["local"]}) is None

@@ -80,6 +80,40 @@ def bound(device: Device) -> dict:
             "link_bytes_per_second": link, "compute_flops_per_second": compute}
 
 
+def timed_bound(limits: dict, measured: dict, algorithms: dict) -> dict | None:
+    """The same bound with each server's FLOP rate as it ran the whole model in the run's own frames (the
+    offload's and round-robin's: its own ONNX Runtime seconds, median) and the device's as its local frames
+    ran, instead of setup's probe. The probe times a short head for 0.3 s: on the testbed it read one
+    0.45-core server at 37, 80 and 79 GFLOP/s in three setups of one run while that server ran the model at 57,
+    50 and 56, so the probe's bound moved 1.7x between repeats whose frames all took about as long. A server
+    no whole-model frame ran on (round-robin's frames fewer than the servers) keeps its probed rate times the
+    median of the timed servers' rate over probed. ``limits``: `bound`'s; ``measured``: the setup's
+    measurements (its JSON form); ``algorithms``: each algorithm's results with its ``timelines``. None where
+    no frame ran the whole model on a server."""
+    flops = limits["model_flops"]
+    seconds: dict[str, list[float]] = {}
+    local: list[float] = []
+    for name, entry in algorithms.items():
+        for t in entry.get("timelines") or []:
+            if t.get("server") is not None and t.get("compute", 0) > 0:
+                seconds.setdefault(t["server"], []).append(t["compute"])
+            elif name == "local" and t.get("compute", 0) > 0:
+                local.append(t["compute"])
+    probed = measured["server_flops_per_second"]
+    timed = {s: flops / statistics.median(v) for s, v in seconds.items() if s in probed}
+    if not timed:
+        return None
+    ratio = statistics.median(timed[s] / probed[s] for s in timed)
+    servers = {s: timed.get(s, rate * ratio) for s, rate in probed.items()}
+    device = flops / statistics.median(local) if local else measured["device_flops_per_second"]
+    compute = sum(servers.values()) + device
+    wire = max(limits["input_bytes"], limits["output_bytes"])
+    link = limits["link_bytes_per_second"]
+    return {"latency": max(wire / link, flops / compute), "fps": min(link / wire, compute / flops),
+            "server_flops_per_second": servers, "device_flops_per_second": device,
+            "servers_timed": sorted(timed), "device_timed": bool(local)}
+
+
 def summary(latencies: list[float], predicted: float) -> dict:
     """Mean, median, p95 (seconds) and measured (median) / predicted."""
     p50 = float(np.percentile(latencies, 50))
@@ -219,6 +253,10 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 entry["plan_text"] = device.describe_plan(r.plan)
             results[a] = entry
         measured = device.measured.to_dict() | {"step_overhead": planner.step_overhead}
+        limits["timed"] = timed_bound(limits, measured, results)
+        for entry in results.values():
+            entry["p50_over_timed_bound"] = None if limits["timed"] is None else \
+                entry["p50"] / limits["timed"]["latency"]
         extras = deadlines(args, planner, runners, results, px, lambda outputs: check("auto", outputs))
         return {"label": args.label, "model": args.model, "input_size": args.input_size, "cut": device.cut.name,
                 "measured": measured, "calibration": planner.trials, "bound": limits, "algorithms": results} | extras
