@@ -16,8 +16,6 @@ from pathlib import Path
 
 from deepco_bench.benchmark import timed_bound
 
-from deepco.errors import UserError
-
 
 def rows(document: dict) -> list[str]:
     """One line per repeat of each point, and the medians over the repeats."""
@@ -49,16 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("document", help="a deepco bench --json document")
     args = p.parse_args(argv)
     try:
-        try:
-            document = json.loads(Path(args.document).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"{args.document}: not a readable deepco bench --json document ({exc})") from None
-        print("\n".join(rows(document)))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        document = json.loads(Path(args.document).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"timed_bound: error: {args.document}: not a readable deepco bench --json document ({exc})",
+              file=sys.stderr)
         return 2
+    print("\n".join(rows(document)))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
