@@ -15,15 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import grpc.experimental
 import numpy as np
 
 from deepco.errors import UserError
+from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.security import ChannelSecurity, make_channel
 from deepco.wire.tensors import TensorError, decode_outputs, encode_request
+from deepco.wire.watchdog import WATCHDOG, Alarm
 
 
 def content_name(base: str, model_bytes: bytes) -> str:
@@ -76,7 +79,7 @@ class RunHandle:
 
     client: InferenceClient
     events: Any  # the rest of the Run response stream
-    watchdog: threading.Timer | None = None  # cancels the call if it outlives its deadline
+    watchdog: Alarm | None = None  # cancels the call if it outlives its deadline (deepco.wire.watchdog)
 
     def result(self) -> tuple[dict[str, np.ndarray], dpb.StepTimes]:
         """(outputs by name, the server's own times of the step: queue, compute, ... (`StepTimes`))."""
@@ -136,6 +139,11 @@ class SplitJob:
         return event
 
 
+# gRPC Python's option (EXPERIMENTAL there) to drive a unary-stream call's completion queue from the thread that
+# reads its responses, instead of a channel-wide polling thread started whenever no call is in flight
+SINGLE_THREADED = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+
+
 class InferenceClient:
     """One channel to one server; thread-safe, as gRPC channels are. Use as a context manager or close().
 
@@ -145,7 +153,10 @@ class InferenceClient:
     def __init__(self, address: str, timeout: float | None = 60.0, security: ChannelSecurity | None = None):
         self.address, self.timeout = address, timeout
         self.security = security or ChannelSecurity()
-        self.channel = make_channel(address, self.security)
+        # Run's answers are read on the thread that waits for them: gRPC's default starts a thread per call to
+        # poll the channel whenever none is polling it (every frame, one frame in flight), and a thread start
+        # is dear on a weak camera (`SINGLE_THREADED`)
+        self.channel = make_channel(address, self.security, (*GRPC_MESSAGE_OPTIONS, SINGLE_THREADED))
         self.inference = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.deepco = dpb_grpc.DeepcoServiceStub(self.channel)
         self._input_names: dict[str, str] = {}
@@ -330,10 +341,7 @@ class InferenceClient:
             started(events)
         # A second, client-side bound: a stream once sat past its gRPC deadline here (seen on the testbed,
         # not understood); cancelling the call turns any such stall into a CANCELLED error we handle.
-        watchdog = threading.Timer(limit + 1.0, events.cancel) if limit is not None else None
-        if watchdog is not None:
-            watchdog.daemon = True
-            watchdog.start()
+        watchdog = WATCHDOG.after(limit + 1.0, events.cancel) if limit is not None else None
         try:
             first = next(events)
         except grpc.RpcError as exc:
