@@ -74,10 +74,14 @@ def bound(device: Device) -> dict:
     declared = [(a.bandwidth or 0.0) * 1e6 / 8 for a in device.cluster.device.antennas]
     link = sum(max(b, d) for b, d in zip(m.antenna_bytes_per_second, declared, strict=True))
     compute = sum(m.server_flops_per_second.values()) + m.device_flops_per_second
-    wire = max(input_bytes, output_bytes)
-    return {"latency": max(wire / link, flops / compute), "fps": min(link / wire, compute / flops),
-            "input_bytes": input_bytes, "output_bytes": output_bytes, "model_flops": flops,
-            "link_bytes_per_second": link, "compute_flops_per_second": compute}
+    return _limits(max(input_bytes, output_bytes), link, flops, compute) | {
+        "input_bytes": input_bytes, "output_bytes": output_bytes, "model_flops": flops,
+        "link_bytes_per_second": link, "compute_flops_per_second": compute}
+
+
+def _limits(wire: float, link: float, flops: float, compute: float) -> dict:
+    """Latency (s) and fps bounds of ``wire`` bytes over ``link`` bytes/s and ``flops`` over ``compute`` FLOP/s."""
+    return {"latency": max(wire / link, flops / compute), "fps": min(link / wire, compute / flops)}
 
 
 def timed_bound(limits: dict, measured: dict, algorithms: dict) -> dict | None:
@@ -106,12 +110,10 @@ def timed_bound(limits: dict, measured: dict, algorithms: dict) -> dict | None:
     ratio = statistics.median(timed[s] / probed[s] for s in timed)
     servers = {s: timed.get(s, rate * ratio) for s, rate in probed.items()}
     device = flops / statistics.median(local) if local else measured["device_flops_per_second"]
-    compute = sum(servers.values()) + device
     wire = max(limits["input_bytes"], limits["output_bytes"])
-    link = limits["link_bytes_per_second"]
-    return {"latency": max(wire / link, flops / compute), "fps": min(link / wire, compute / flops),
-            "server_flops_per_second": servers, "device_flops_per_second": device,
-            "servers_timed": sorted(timed), "device_timed": bool(local)}
+    return _limits(wire, limits["link_bytes_per_second"], flops, sum(servers.values()) + device) | {
+        "server_flops_per_second": servers, "device_flops_per_second": device,
+        "servers_timed": sorted(timed), "device_timed": bool(local)}
 
 
 def summary(latencies: list[float], predicted: float) -> dict:
