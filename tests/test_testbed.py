@@ -93,6 +93,20 @@ def test_cpu_quota_limits_a_server_to_its_share_of_a_core():
     assert cpu_fast / 1.5 > 0.6  # unlimited: most of a core even on a busy machine
 
 
+
+@needs_kernel
+def test_a_process_on_the_testbed_sees_its_cpu_quota_as_one_in_a_container_does():
+    """`ip netns exec` mounts a sysfs without the cgroup hierarchy: a camera on the testbed read 2 cores at a
+    0.1-core quota, and its pace never held a search back. The testbed mounts the hierarchy for its processes."""
+    spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("slow", cpu=0.3), ServerSpec("fast")),
+                       device_cpu=0.2)
+    read = "from deepco_device.cpu_share import cpu_budget; print(cpu_budget())"
+    with Testbed(spec) as tb:
+        budgets = [float(tb.spawn([sys.executable, "-c", read], server=server, stdout=subprocess.PIPE,
+                                  text=True).communicate(timeout=60)[0]) for server in (0, 1, None)]
+    assert budgets[0] == pytest.approx(0.3) and budgets[2] == pytest.approx(0.2)
+    assert budgets[1] == len(os.sched_getaffinity(0))  # no quota: the CPUs
+
 OWNER = textwrap.dedent("""
     import sys, time
     from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec

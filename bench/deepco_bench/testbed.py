@@ -154,6 +154,25 @@ def cpu_quota_of(pid: int) -> float | None:
         return None
 
 
+def _cgroup_mount() -> str:
+    """Shell that mounts the cpu cgroup hierarchy at its usual place, for a process started by `ip netns exec`:
+    that mounts a sysfs of its own, without the cgroup filesystems under it, so a camera on the testbed would not
+    see its quota where one in a container does (device.cpu_share.cpu_budget read 2 cores at a 0.1-core quota,
+    and a search that need not hurry was never held back). Mounting a hierarchy again shows the same groups.
+    Fails quietly (no quota seen, as before) where mounting is not allowed."""
+    found = cgroup_root()
+    if found is None:
+        return ""
+    if found[0] == "v2":
+        mount = "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    else:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        names = next((c for _, c, _ in (line.split(":", 2) for line in lines) if "cpu" in c.split(",")), "cpu")
+        mount = (f"mount -t tmpfs cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/{names} && "
+                 f"mount -t cgroup -o {names} cgroup /sys/fs/cgroup/{names}")
+    return f"{{ {mount}; }} 2>/dev/null || :;"
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, capture_output=True, text=True)
     if check and result.returncode != 0:
@@ -465,7 +484,8 @@ class Testbed:
             # Join the cgroup before exec so that no instruction runs outside the quota.
             who, ns = (group or "dev", self.device_ns) if server is None else (f"s{server}", self.server_ns(server))
             procs = self._cgroup(who) / "cgroup.procs"
-            cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", "ip", "netns", "exec", ns, *argv]
+            cmd = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", "ip", "netns", "exec", ns,
+                   "sh", "-c", f'{_cgroup_mount()} exec "$@"', "sh", *argv]
         proc = subprocess.Popen(cmd, **popen)
         self.processes.append(proc)
         return proc
