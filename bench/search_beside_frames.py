@@ -69,19 +69,24 @@ def device_side(cluster: str, modes: list[str], frames: int, ceiling: float) -> 
 
         for _ in range(5):
             frame()
+        print(f"the camera's CPU budget as it reads it: {Pacer().budget:g} cores", flush=True)
         for mode in modes:
             stop, done = threading.Event(), [0]
             beside = threading.Thread(target=search, args=(stop, done), daemon=True)
             if mode == "search":
                 beside.start()
-            cpu = time.process_time()
+            cpu, wall = time.process_time(), time.perf_counter()
             latencies = np.array([frame() for _ in range(frames)]) * 1e3
-            cpu = (time.process_time() - cpu) / frames * 1e3
+            cpu, wall = (time.process_time() - cpu) / frames * 1e3, time.perf_counter() - wall
             stop.set()
+            ending = time.perf_counter()
             if mode == "search":
                 beside.join()
+            ending = time.perf_counter() - ending
+            each = f" ({wall / done[0]:.1f} s each; the last ended {ending:.1f} s after the frames)" if done[0] else ""
             print(f"{mode:>6}: p50 {np.median(latencies):6.1f} p90 {np.percentile(latencies, 90):6.1f} "
-                  f"max {latencies.max():6.1f} ms; camera CPU {cpu:.2f} ms a frame; {done[0]} searches", flush=True)
+                  f"max {latencies.max():6.1f} ms; camera CPU {cpu:.2f} ms a frame; {done[0]} searches{each}",
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

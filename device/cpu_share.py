@@ -18,6 +18,9 @@ SHARE = 0.9  # of the camera's CPU budget, what a paced search and the live fram
 FLOOR = 0.05  # of the budget, what a paced search takes however busy the frames are (so that it ends)
 CEILING = 0.25  # of the budget, what a paced search takes however idle: the frames' need comes in bursts (a
 # send, a decode), and a quota spent early in its period makes them wait for the next one
+LOOK_EVERY = 0.002  # seconds of work between two looks at the CPU clocks
+NAP = 0.01  # seconds: the shortest nap of a thread ahead of its pace
+LONGEST_NAP = 0.05  # seconds: the longest, after which the frames' use is looked at again
 
 
 def _limits(directory: Path, stop: Path) -> list[float]:
@@ -77,10 +80,20 @@ class Pacer:
         self.budget = cpu_budget() if cores is None else cores
         self.share, self.floor, self.ceiling = share, floor, ceiling
         self._start: tuple[float, float, float] | None = None  # wall, process CPU, this thread's CPU
+        self._next_look = 0.0
 
     def __call__(self) -> None:
+        now = time.monotonic()
         if self._start is None:
-            self._start = time.monotonic(), time.process_time(), time.thread_time()
+            self._start = now, time.process_time(), time.thread_time()
+            self._next_look = now + LOOK_EVERY
+            return
+        # The CPU clocks are system calls (the wall clock is not), and they count against the thread's own
+        # allowance: read on every call, and again after each nap that ended as soon as the thread was back on
+        # pace, the pace's own clock reads and wake-ups took the whole allowance at a 0.1-core quota (1,100 naps
+        # a second; a search that takes 0.3 s of CPU alone had not ended after 360 s). So the clocks are read at
+        # most every LOOK_EVERY of work, and a thread ahead of its pace naps at least NAP at a time.
+        if now < self._next_look:
             return
         wall0, process0, mine0 = self._start
         while True:
@@ -91,5 +104,6 @@ class Pacer:
             rate = self.budget * min(self.ceiling, max(self.floor, left / self.budget))
             ahead = mine / rate - elapsed
             if ahead <= 0:
-                return
-            time.sleep(min(ahead, 0.05))  # looked at again: the frames' use changes
+                break
+            time.sleep(min(max(ahead, NAP), LONGEST_NAP))  # then looked at again: the frames' use changes
+        self._next_look = time.monotonic() + LOOK_EVERY

@@ -77,3 +77,41 @@ def test_a_paced_search_yields_between_candidates_and_finds_the_same_plans():
     calls.clear()
     search(costs, rates, ["s0", "s1"])
     assert calls == []  # no pace set: none called
+
+
+def test_a_pace_whose_clocks_are_dear_still_leaves_the_thread_its_allowance(monkeypatch):
+    """Under a tight CPU quota reading a CPU clock is dear (tens of microseconds), and the reads count against
+    the thread's own allowance. A pace that reads them on every call and after every nap spent all of it on
+    itself: the work behind it never ended. Here each read burns 100 us of this thread's CPU."""
+    import threading
+    import types
+
+    import deepco_device.cpu_share as cpu_share
+
+    def dear(clock):
+        def read() -> float:
+            until = time.thread_time() + 1e-4
+            while time.thread_time() < until:
+                pass
+            return clock()
+        return read
+
+    monkeypatch.setattr(cpu_share, "time", types.SimpleNamespace(
+        monotonic=time.monotonic, sleep=time.sleep, thread_time=dear(time.thread_time),
+        process_time=dear(time.process_time)))
+    pacer = Pacer(ceiling=0.25, cores=0.4)  # alone: 0.1 of a core
+    took: list[float] = []
+
+    def work() -> None:
+        pacer()
+        began, cpu0 = time.monotonic(), time.thread_time()
+        while time.thread_time() - cpu0 < 0.05:  # the clocks' reads included
+            sum(range(2_000))
+            pacer()
+        took.append(time.monotonic() - began)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert took, "the paced work did not end within 10 s (0.05 s of CPU at 0.1 of a core takes 0.5 s)"
+    assert 0.4 <= took[0] <= 2.0
