@@ -224,6 +224,11 @@ class Health:
         if not self._reserve_asked:
             self._reserve_asked = True
             self.background(self._reserve, running)
+        with self.lock:
+            recheck = self.trial is None and not self._considering and self.adapt.recheck_due(time.perf_counter())
+            self._considering = self._considering or recheck
+        if recheck:
+            self.background(self._recheck)
         changes = self.adapt.observe(runner.plan, timing)
         if changes:
             self.device.events.append({"event": "change", "what": [c.describe() for c in changes],
@@ -233,6 +238,22 @@ class Health:
             # the running plan no slower (a link faster, a server it leaves idle slower): the search need not
             # take the frames' CPU
             self._consider(", ".join(c.describe() for c in changes), gentle=not self.adapt.worse)
+
+    def _recheck(self) -> None:
+        """Live adaptation's periodic look at the antennas (`Adaptation.recheck`), beside the frames; where one
+        reads faster, a search that need not hurry (the running plan got no slower); one line."""
+        found = None
+        try:
+            found = self.adapt.recheck()
+        except Exception as err:  # noqa: BLE001 - a bug: one line, never silent, and the run goes on
+            self.device.log(f"adapt: the antennas could not be probed again: {_described(err)}")
+        with self.lock:
+            self._considering = False
+        if found is None:
+            self._next()
+            return
+        self.device.log(f"adapt: the antennas probed again: {found}")
+        self._consider(found, gentle=True)
 
     def _reserve(self, running) -> None:
         """Put live adaptation's reserve on the servers (`Adaptation.reserve`: the best plan without the server

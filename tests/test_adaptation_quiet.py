@@ -50,6 +50,9 @@ class RecordingAdaptation:
         self.fed.append(timing.latency)
         return []
 
+    def recheck_due(self, now: float) -> bool:
+        return False
+
 
 def test_only_frames_that_ran_while_no_model_was_loading_feed_the_live_rates():
     uploads, client = Uploads(), BlockingClient()

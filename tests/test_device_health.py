@@ -222,6 +222,7 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
 
         worse, margin, _before = False, 0.15, None
         matters = Adaptation.matters
+        recheck_due = staticmethod(lambda now: False)
 
         def observe(self, plan, timing):
             found, self.worse = changes.pop(0)
@@ -241,3 +242,35 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
     health.rejoin()
     assert asked == [("antenna 0 10.00x faster", True), ("server s0 4.00x slower, antenna 0 2.00x faster", False),
                      ("s1 back", True)]
+
+
+def test_a_periodic_look_at_the_antennas_that_finds_one_faster_starts_a_gentle_search_and_says_so():
+    """Live adaptation's recheck (every RECHECK_EVERY of frames) runs beside the frames; what it finds faster
+    is searched on without hurrying (the running plan got no slower), with one line; nothing found, no search."""
+    health, device, calls, first = make_health(["s0", "s1"])
+    asked, found, due = [], ["antenna 0 10.00x faster probed", None], [False, True, False, True]
+
+    class Adapt:
+        live = SimpleNamespace(restart=lambda: None)
+
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+            asked.append((why, gentle))
+            return None
+
+        def recheck_due(self, now):
+            return due.pop(0)
+
+        def recheck(self):
+            return found.pop(0)
+
+        def observe(self, plan, timing):
+            return []
+
+    health.adapt = Adapt()
+    health.background = lambda fn, *args: fn(*args)
+    health.device.uploads.quiet_since = lambda: 0.0
+    for _ in range(4):
+        health.observe(health.current(), FrameTiming(latency=0.0))
+    assert asked == [("antenna 0 10.00x faster probed", True)] and not found and not due
+    assert "adapt: the antennas probed again: antenna 0 10.00x faster probed" in device.lines
+    assert not health._considering
