@@ -288,6 +288,7 @@ class Adaptation:
                 # left a split at 125 ms beside an offload at 91). Neither faster: the rate stays where it was.
                 faster = min(seen, probed)
                 self.live.measured(key, min(faster, was))
+                self.slower_only = self.slower_only and faster >= was  # (`settled`)
                 found.append(f"{key} {Change(key, seen / was).how()} in the frames but "
                              f"{Change(key, probed / was).how()} probed: "
                              + ("kept as before" if faster >= was else
@@ -336,6 +337,7 @@ class Adaptation:
                 probed, current = base[m] / now, self.live.factor(key)
                 if probed * (1 + self.margin) < current:
                     self.live.measured(key, probed)
+                    self.slower_only = False  # a rate got faster: the search after a switch is due (`settled`)
                     found.append(f"{key} {Change(key, probed / current).how()} probed")
         finally:
             self._looked = time.perf_counter()

@@ -703,8 +703,10 @@ def test_the_antennas_are_probed_again_every_while_and_only_a_faster_reading_is_
     assert not adapt.recheck_due(100.0)  # the first frame starts the clock
     assert not adapt.recheck_due(100.0 + adaptation.RECHECK_EVERY / 2)
     assert adapt.recheck_due(100.0 + adaptation.RECHECK_EVERY)
+    adapt.slower_only = True  # change points before it made rates slower only
     found = adapt.recheck()
     assert found == "antenna 0 10.00x faster probed"
+    assert not adapt.slower_only  # so a switch it leads to is followed by the search (`settled`)
     assert adapt.rates().antenna_bytes_per_second == pytest.approx([12.5e6, 1.25e6])
     assert not adapt.recheck_due(time.perf_counter() + 1)  # the clock starts again from the recheck
     readings[0] = 12.5e6 * 1.1  # within the margin of the rate taken: nothing
