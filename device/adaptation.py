@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from deepco_device.cpu_share import Pacer
@@ -62,6 +62,7 @@ AHEAD_WITHIN = 2.0  # a joining server measured within this factor of the rate s
 # by 25%, and a factor of two can change which shape is best)
 AHEAD_REFITTED = 3  # of the plans made ahead, the best on the live rates, refitted to them (`refit`)
 RECHECK_EVERY = 10.0  # seconds between looks at the antennas' sustained rates, which a plan's frames may not show
+RECHECK_RISE = 10.0  # the rise of every antenna against which a recheck is worth its frames (`recheck_due`)
 
 
 def _matters(factors: Iterable[float], margin: float) -> bool:
@@ -304,16 +305,24 @@ class Adaptation:
             return None
         return "; ".join(found)
 
-    def recheck_due(self, now: float) -> bool:
-        """Whether `recheck` is due at ``now`` (perf_counter): ``RECHECK_EVERY`` after the first frame observed,
-        or after the last recheck or search; the caller then calls it (the clock restarts here)."""
+    def recheck_due(self, now: float, running: StagedPlan) -> bool:
+        """Whether `recheck` is due at ``now`` (perf_counter), ``running`` being the plan the frames use:
+        ``RECHECK_EVERY`` after the first frame observed, or after the last recheck or search, where a plan whose
+        models are on the servers would beat ``running`` by ``margin`` were the antennas ``RECHECK_RISE`` times
+        faster. A recheck costs frames (on the testbed's 0.1-core camera the probes beside them took about ten
+        frames from 80 to 100-190 ms, every 10 s, in a run where no plan could gain from a faster radio); the
+        caller then calls it (the clock restarts here)."""
         if self.paced:  # pacing enforces the configured bandwidths: nothing to find
             return False
         if self._looked is None or now - self._looked < RECHECK_EVERY:
             self._looked = self._looked or now
             return False
         self._looked = now
-        return True
+        rates = self.rates()
+        rise = replace(rates, antenna_bytes_per_second=[r * RECHECK_RISE for r in rates.antenna_bytes_per_second])
+        bar = self.seconds(running, rise) * (1 - self.margin)
+        return any(self.seconds(p, rise) < bar for p in self.known
+                   if not same_plan(p.to_dict(), running.to_dict()) and self.warm(p))
 
     def recheck(self) -> str | None:
         """Probe every antenna as setup probed it (`Device.measure_antenna`) and take each rate that reads faster

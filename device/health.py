@@ -224,8 +224,9 @@ class Health:
         if not self._reserve_asked:
             self._reserve_asked = True
             self.background(self._reserve, running)
+        due = self.adapt.recheck_due(time.perf_counter(), running.plan)  # not under the lock: it predicts plans
         with self.lock:
-            recheck = self.trial is None and not self._considering and self.adapt.recheck_due(time.perf_counter())
+            recheck = due and self.trial is None and not self._considering
             self._considering = self._considering or recheck
         if recheck:
             self.background(self._recheck)

@@ -50,7 +50,7 @@ class RecordingAdaptation:
         self.fed.append(timing.latency)
         return []
 
-    def recheck_due(self, now: float) -> bool:
+    def recheck_due(self, now: float, running) -> bool:
         return False
 
 

@@ -684,32 +684,45 @@ def test_no_reserve_where_no_other_server_is_up():
     assert adapt.reserve(offload_plan_on("s0", 0), set())[1] == "s0" and searched == [{"s0"}]
 
 
-def test_the_antennas_are_probed_again_every_while_and_only_a_faster_reading_is_taken(monkeypatch):
+def test_the_antennas_are_probed_again_every_while_and_only_a_faster_reading_is_taken():
     """A split whose bands fit in a radio's burst shows no rise of the radio's sustained rate in its frames (on
     the testbed a 4-server split ran at 130 ms to the end after every antenna rose from 10 to 100 Mbit/s, beside
-    a fresh offload at 83-93). Every RECHECK_EVERY the antennas are probed; a reading faster by more than the
-    margin is taken, a slower one (a probe beside the frames waits for a busy camera's CPU) is not."""
+    a fresh offload at 83-93). Every RECHECK_EVERY the antennas are probed, where a plan already on the servers
+    would gain the margin from a faster radio (a recheck costs frames); a reading faster by more than the margin
+    is taken, a slower one (a probe beside the frames waits for a busy camera's CPU) is not."""
     from types import SimpleNamespace
 
     import deepco_device.adaptation as adaptation
 
-    from deepco.planning.staged import Rates
+    from deepco.planning.staged import Rates, offload_plan_on
 
     rates = Rates({"s0": 1e10}, [1.25e6, 1.25e6], 0.005, 1e9, 1e8, 0.001)
     readings = {0: 12.5e6, 1: 1.25e6 / 3}  # antenna 0 ten times faster, antenna 1 read three times slower
     device = SimpleNamespace(costs=None, measured=SimpleNamespace(paced=False), rates=lambda: rates,
                              measure_antenna=readings.__getitem__, uploads=Uploads())
-    adapt = Adaptation(device, lambda down, r: [], seconds=lambda p, r: 1.0)
-    assert not adapt.recheck_due(100.0)  # the first frame starts the clock
-    assert not adapt.recheck_due(100.0 + adaptation.RECHECK_EVERY / 2)
-    assert adapt.recheck_due(100.0 + adaptation.RECHECK_EVERY)
+    running, offload = offload_plan_on("s1", 1), offload_plan_on("s0", 0)
+
+    def seconds(plan, r):  # the offload to s0 gains from a faster radio, the running plan does not
+        return 0.1 if plan is running else 0.05 + 0.15 * 1.25e6 / r.antenna_bytes_per_second[0]
+
+    def adapting(known):
+        return Adaptation(device, lambda down, r: [], seconds=seconds, known=known, warm=lambda p: True)
+
+    adapt = adapting([offload])
+    assert not adapt.recheck_due(100.0, running)  # the first frame starts the clock
+    assert not adapt.recheck_due(100.0 + adaptation.RECHECK_EVERY / 2, running)
+    assert adapt.recheck_due(100.0 + adaptation.RECHECK_EVERY, running)
     adapt.slower_only = True  # change points before it made rates slower only
     found = adapt.recheck()
     assert found == "antenna 0 10.00x faster probed"
     assert not adapt.slower_only  # so a switch it leads to is followed by the search (`settled`)
     assert adapt.rates().antenna_bytes_per_second == pytest.approx([12.5e6, 1.25e6])
-    assert not adapt.recheck_due(time.perf_counter() + 1)  # the clock starts again from the recheck
+    assert not adapt.recheck_due(time.perf_counter() + 1, running)  # the clock starts again from the recheck
     readings[0] = 12.5e6 * 1.1  # within the margin of the rate taken: nothing
     assert adapt.recheck() is None
+    # no plan on the servers that a faster radio would make faster by the margin: no recheck, whenever
+    for known in ([], [running]):
+        idle = adapting(known)
+        assert not idle.recheck_due(0.0, running) and not idle.recheck_due(1e9, running)
     device.measured.paced = True
-    assert not Adaptation(device, lambda down, r: [], seconds=lambda p, r: 1.0).recheck_due(1e9)
+    assert not adapting([offload]).recheck_due(0.0, running) and not adapting([offload]).recheck_due(1e9, running)

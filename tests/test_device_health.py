@@ -222,7 +222,7 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
 
         worse, margin, _before = False, 0.15, None
         matters = Adaptation.matters
-        recheck_due = staticmethod(lambda now: False)
+        recheck_due = staticmethod(lambda now, running: False)
 
         def observe(self, plan, timing):
             found, self.worse = changes.pop(0)
@@ -257,7 +257,7 @@ def test_a_periodic_look_at_the_antennas_that_finds_one_faster_starts_a_gentle_s
             asked.append((why, gentle))
             return None
 
-        def recheck_due(self, now):
+        def recheck_due(self, now, running):
             return due.pop(0)
 
         def recheck(self):
