@@ -271,16 +271,13 @@ class Adaptation:
         antennas, self._unconfirmed = sorted(self._unconfirmed), set()
         if not antennas or self.paced:
             return None
-        base = self.device.rates().antenna_bytes_per_second
         found = []
         for m in antennas:
             key, seen = f"antenna {m}", self.live.factor(f"antenna {m}")
-            try:
-                with self.device.uploads.busy():
-                    now = self.device.measure_antenna(m)
-            except UserError:  # its server busy or gone: the frames' reading stands
+            probed = self._probe_antenna(m)
+            if probed is None:  # its server busy or gone: the frames' reading stands
                 continue
-            was, probed = (before or {}).get(key, 1.0), base[m] / now
+            was = (before or {}).get(key, 1.0)
             if _opposite(seen / was, probed / was):
                 # the frames and the probe disagree on the way it moved: the faster reading is taken, since each
                 # errs only slow. A frame's send or a probe beside the frames waits for a busy weak camera's CPU
@@ -335,15 +332,11 @@ class Adaptation:
         self._looked = math.inf  # no other recheck meanwhile
         found = []
         try:
-            base = self.device.rates().antenna_bytes_per_second
-            for m in range(len(base)):
-                key = f"antenna {m}"
-                try:
-                    with self.device.uploads.busy():
-                        now = self.device.measure_antenna(m)
-                except UserError:  # its server busy or gone: looked at next time
+            for m in range(len(self.device.rates().antenna_bytes_per_second)):
+                key, probed = f"antenna {m}", self._probe_antenna(m)
+                if probed is None:  # its server busy or gone: looked at next time
                     continue
-                probed, current = base[m] / now, self.live.factor(key)
+                current = self.live.factor(key)
                 if probed * (1 + self.margin) < current:
                     self.live.measured(key, probed)
                     self.slower_only = False  # a rate got faster: the search after a switch is due (`settled`)
@@ -359,14 +352,20 @@ class Adaptation:
         if not self._unseen_stale or self.paced:
             return
         self._unseen_stale = False
-        base = self.device.rates().antenna_bytes_per_second
-        for m in sorted(set(range(len(base))) - set(running.antennas)):
-            try:
-                with self.device.uploads.busy():
-                    now = self.device.measure_antenna(m)
-            except UserError:  # its server busy or gone: planned on what is known
-                continue
-            self.live.measured(f"antenna {m}", base[m] / now)
+        for m in sorted(set(range(len(self.device.rates().antenna_bytes_per_second))) - set(running.antennas)):
+            probed = self._probe_antenna(m)
+            if probed is not None:  # else its server busy or gone: planned on what is known
+                self.live.measured(f"antenna {m}", probed)
+
+    def _probe_antenna(self, m: int) -> float | None:
+        """Antenna ``m`` probed as setup probes it (`Device.measure_antenna`), the frames meanwhile measuring
+        nothing: how many times slower than setup's rate it is (None: its server busy or gone)."""
+        try:
+            with self.device.uploads.busy():
+                now = self.device.measure_antenna(m)
+        except UserError:
+            return None
+        return self.device.rates().antenna_bytes_per_second[m] / now
 
     def probe_idle_servers(self, running: StagedPlan, down: set[str]) -> None:
         """After a server of the ``running`` plan slowed it: the servers up that it leaves idle are probed
