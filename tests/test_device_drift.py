@@ -54,8 +54,13 @@ def test_a_server_that_slows_down_is_replanned_around(tmp_path):
         out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err + out
     assert slowed_at < frames - 30
-    switches = [line for line in out.splitlines() if line.startswith("switch: ")]  # one line: from, to, why
-    assert switches and "server s0" in switches[0] and "slower" in switches[0], out
+    assert any(line.startswith("switch: ") for line in out.splitlines()), out  # one line: from, to, why
+    # the first switch after s0 slowed is for s0; one before it (the loaded machine's noise on either server,
+    # a real change the device may follow) is not this test's concern
+    entries = [json.loads(x) for x in log.read_text().splitlines()]
+    frame_at = [k for k, r in enumerate(entries) if "frame" in r]
+    after = [r for r in entries[frame_at[slowed_at - 1] + 1:] if r.get("event") == "switch"]
+    assert after and "server s0" in after[0]["why"] and "slower" in after[0]["why"], out
     records = logged()
     assert len(records) == frames and all(r["error"] is None for r in records)
 

@@ -84,7 +84,12 @@ def test_a_cold_start_sends_the_whole_model_once_in_parts_over_both_antennas(dev
     parts = [(address, n) for call, address, n in calls if call == "load_whole_part"]
     assert len(parts) == 2 and sum(n for _, n in parts) == whole
     target = next(s for s in two_servers if {a for a, _ in parts} == set(addresses(s.port)))
-    assert min(n for _, n in parts) > whole / 3  # the antennas measured alike: about half each
+    # each part in proportion to the bandwidth the device measured for its antenna (loopback under a loaded
+    # machine can measure the two unalike, so the measured rates are the reference, not "about half each")
+    rates = dev.measured.antenna_bytes_per_second
+    for address, n in parts:
+        share = rates[addresses(target.port).index(address)] / sum(rates)
+        assert abs(n / whole - share) < 0.01, (n / whole, share)
     assert [c for c in calls if c[0] == "load_model"] == []
 
     calls.clear()
