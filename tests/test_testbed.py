@@ -64,6 +64,15 @@ def test_antenna_bandwidth_is_enforced_and_shared_by_its_servers():
 
 
 @needs_kernel
+def test_a_small_transfer_crosses_at_the_antennas_rate_not_at_line_rate():
+    """A radio delivers one tick's worth at once, not a burst: 50 KB at 10 Mbit/s takes ~40 ms even after the
+    link was idle (a 64 KiB bucket sent it in 0.2 ms, so a split's small bands never felt the radio's rate)."""
+    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("s0"),))
+    with Testbed(spec) as tb:
+        seconds = transfer_seconds(tb, 50_000, [(0, 0)])
+    assert 0.03 < seconds < 0.2
+
+@needs_kernel
 def test_server_to_server_traffic_crosses_the_peer_links():
     spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("s0"), ServerSpec("s1")), peer_mbps=20.0)
     size = 1_000_000  # 8 Mbit: 0.4 s at 20 Mbit/s

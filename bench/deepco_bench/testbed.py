@@ -42,6 +42,19 @@ SUBNET = "10.213"  # only inside namespaces this module creates
 _SERIAL = itertools.count()
 
 
+
+RADIO_TICK_S = 0.001  # what a radio delivers at once: one LTE transmission interval's worth at its rate
+MIN_BURST_BYTES = 4096  # above a 1500-byte packet, which tbf must be able to send whole
+
+
+def _token_bucket(mbps: float) -> list[str]:
+    """tc's tbf arguments for a radio of ``mbps``: its bucket holds one radio tick's worth (at least
+    ``MIN_BURST_BYTES``). A 64 KiB bucket, used before, sent 50 KB at "10 Mbit/s" in 0.2 ms after an idle
+    moment (2 Gbit/s), so small transfers (a split's bands) crossed at line rate and a rise of the rate did not
+    show in them. tbf cuts the veth's GSO super-packets to fit a small bucket, so none is dropped."""
+    burst = max(MIN_BURST_BYTES, round(mbps * 1e6 / 8 * RADIO_TICK_S))
+    return ["tbf", "rate", f"{mbps}mbit", "burst", str(burst), "latency", "400ms"]
+
 class TestbedError(UserError):
     """The testbed could not be built (a kernel command failed)."""
 
@@ -278,8 +291,8 @@ class Testbed:
         device = "unlimited" if spec.device_cpu is None else f"{spec.device_cpu:g} of a core"
         peers = "unshaped (LAN)" if spec.peer_mbps is None else f"{spec.peer_mbps:g} Mbit/s per server link"
         if self.kernel:
-            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, delay {spec.delay_ms:g} ms, shared per "
-                    f"antenna); server CPU shares {cpus} of a core, device {device} (cgroup quotas"
+            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, 1 ms bucket, delay {spec.delay_ms:g} ms, "
+                    f"shared per antenna); server CPU shares {cpus} of a core, device {device} (cgroup quotas"
                     f"{', applied once each process has started up' if self.defer_cpu_limits else ''}); "
                     f"server-to-server {peers}; network namespaces")
         return (f"EMULATED edge network (fallback, {self.reason}): loopback, antennas {bw} Mbit/s by app-level "
@@ -386,8 +399,7 @@ class Testbed:
 
     def _shape(self, ns: str, dev: str, mbps: float) -> None:
         """Token bucket at ``mbps`` on ``dev``'s egress; with a delay, a netem child under it."""
-        # A 64 KiB bucket holds one GSO super-packet of the veth, so tbf never drops one as oversized.
-        tbf = ["tbf", "rate", f"{mbps}mbit", "burst", "64kb", "latency", "400ms"]
+        tbf = _token_bucket(mbps)
         if self.spec.delay_ms <= 0:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
             return
@@ -402,7 +414,7 @@ class Testbed:
         """Change every antenna's bandwidth, both directions, while processes run (`deepco bench --scenario`)."""
         if not self.kernel:
             raise TestbedError("testbed: changing an antenna's bandwidth mid-run needs the kernel emulation")
-        tbf = ["tbf", "rate", f"{mbps}mbit", "burst", "64kb", "latency", "400ms"]
+        tbf = _token_bucket(mbps)
         handle = ["handle", "1:"] if self.spec.delay_ms > 0 else []
         for m in range(len(self.spec.antenna_mbps)):
             for ns, dev in ((self.device_ns, f"ant{m}"), (self.antenna_ns(m), "uplink")):
