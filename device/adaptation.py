@@ -36,7 +36,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -236,9 +237,9 @@ class Adaptation:
         rates), or less where its last frames ran faster than that, by their median, put on the predictions'
         scale by the ratio of its frames to its predictions before the change point (the cost model's own bias
         for the plan). A probe of a slow radio can read it slower than the frames cross it (a token bucket lets a
-        frame's first kilobytes through at once): on the testbed an offload at 10 Mbit/s was predicted 207-238 ms
-        while its frames took 151-167, and splits predicted at 148-167 ms were tried, their models uploaded over
-        that radio, and measured slower."""
+        frame's first kilobytes through at once): on the testbed's former 64 KiB bucket an offload at 10 Mbit/s
+        was predicted 207-238 ms while its frames took 151-167, and splits predicted at 148-167 ms were tried,
+        their models uploaded over that radio, and measured slower."""
         if not self.latency or running is not self._plan or len(self._latencies) < self._latencies.maxlen:
             return now
         # never above 1: a plan that ran slower than predicted is held to its frames as they are (frames of a
@@ -324,9 +325,10 @@ class Adaptation:
     def recheck(self) -> str | None:
         """Probe every antenna as setup probed it (`Device.measure_antenna`) and take each rate that reads faster
         than the current one by more than ``margin``; what was found (None: nothing). A plan whose bands fit in
-        a radio's burst shows no rise of its sustained rate in its frames: on the testbed a 4-server split ran
-        at 130 ms for the rest of a run after every antenna rose from 10 to 100 Mbit/s, beside a fresh setup's
-        offload at 83-93, and no change point came. A reading slower than the current rate is not taken: a
+        a radio's burst (a link that aggregates, a shaper's bucket) shows no rise of its sustained rate in its
+        frames: on the testbed's former 64 KiB bucket a 4-server split ran at 130 ms for the rest of a run after
+        every antenna rose from 10 to 100 Mbit/s, beside a fresh setup's offload at 83-93, and no change point
+        came. A reading slower than the current rate is not taken: a
         probe beside the live frames on a busy camera waits for its CPU, so it reads a link slow, never fast
         (the frames show a drop themselves)."""
         self._looked = math.inf  # no other recheck meanwhile
@@ -443,7 +445,7 @@ class Adaptation:
         rates = self.rates()
         now = self.seconds(running, rates)
         if back and self.guessed(back, rates):
-            with self.device.uploads.busy(), paced(Pacer() if gentle else None):  # refitting: a few plans' worth
+            with self._searching(gentle):  # refitting: a few plans' worth
                 return self.joined(running, down, why, rates, now)
         if quick and margin >= 0:  # before the idle servers' probe: the trial measures them (and it follows)
             bar = self.bar(running, now)
@@ -455,8 +457,7 @@ class Adaptation:
         self.probe_idle_servers(running, down)
         rates = self.rates()
         now = self.bar(running, self.seconds(running, rates))
-        # the frames meanwhile share the camera's CPU with the search: they measure it, not the network
-        with self.device.uploads.busy(), paced(Pacer() if gentle else None):
+        with self._searching(gentle):
             plan, held = self.choose(self.propose(down, rates), rates)
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
@@ -465,6 +466,21 @@ class Adaptation:
             return None
         return self._trial(plan, f"{why}; predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
                                  f"{'' if held else '; its models uploaded first'}")
+
+    @contextmanager
+    def _searching(self, gentle: bool) -> Iterator[None]:
+        """A search beside the frames. Hurried, it takes the camera's CPU from them, so they measure nothing
+        meanwhile (`Uploads.busy`: they would measure the search, not the network). ``gentle``, it is paced
+        (`device.cpu_share.Pacer`) and the frames go on measuring: on the testbed's 0.1-core camera frames took
+        90.1 and 92.2 ms p50 alone and 92.9 and 93.3 beside a paced search (bench/search_beside_frames.py), far
+        inside a change point's 35%; and a search that blinded them for its 4-12 s let every antenna rise
+        tenfold unseen (a split ran at 110-130 ms for 70 frames after it, beside an offload at 85)."""
+        if not gentle:
+            with self.device.uploads.busy(), paced(None):
+                yield
+            return
+        with paced(Pacer()):
+            yield
 
     def _trial(self, plan: StagedPlan, why: str, cause: str = "") -> Trial:
         """A trial of ``plan``. Where the change points made the running plan slower (`worse`) and the frames
@@ -491,7 +507,7 @@ class Adaptation:
         if not [s for s in self.device.servers(down) if s != heaviest]:  # no other server up: nothing to keep
             return None
         rates = self.rates()
-        with self.device.uploads.busy(), paced(Pacer()):
+        with self._searching(gentle=True):
             plan, _ = self.choose(self.propose(down | {heaviest}, rates), rates)
         if not plan.servers or any(same_plan(plan.to_dict(), p.to_dict()) for p in self.known):
             return None

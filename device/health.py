@@ -243,11 +243,14 @@ class Health:
     def _recheck(self) -> None:
         """Live adaptation's periodic look at the antennas (`Adaptation.recheck`), beside the frames; where one
         reads faster, a search that need not hurry (the running plan got no slower); one line."""
-        found = None
+        found, began = None, time.perf_counter()
         try:
             found = self.adapt.recheck()
         except Exception as err:  # noqa: BLE001 - a bug: one line, never silent, and the run goes on
             self.device.log(f"adapt: the antennas could not be probed again: {_described(err)}")
+        # an event, not a line, whatever it found: the JSON log says what the rechecks cost the frames beside them
+        self.device.events.append({"event": "recheck", "found": found, "at": began,
+                                   "seconds": time.perf_counter() - began})
         with self.lock:
             self._considering = False
         if found is None:

@@ -17,7 +17,7 @@ from deepco_device.records import FrameResult
 
 # of the device's health events, those the JSON log gets (a line each): servers down and up, and live
 # adaptation's change points, searches that kept the plan and switches (no printed line says a change point)
-LOGGED_EVENTS = ("down", "up", "change", "kept", "switch")
+LOGGED_EVENTS = ("down", "up", "change", "kept", "switch", "recheck")
 
 
 @contextlib.contextmanager

@@ -154,3 +154,21 @@ def test_frames_while_a_trials_runner_is_made_are_not_quiet():
     release.set()
     proposing.join(10)
     assert uploads.quiet_since() > 0.0 and health.trial is not None and health.trial.plan is candidate
+
+
+def test_frames_beside_a_paced_search_go_on_measuring_and_beside_a_hurried_one_do_not():
+    """A hurried search takes the weak camera's CPU from the frames (they would measure it, not the network); a
+    paced one leaves them their CPU, so they go on measuring: a search that blinded them for its 4-12 s let every
+    antenna rise tenfold unseen on the testbed."""
+    from deepco_device.adaptation import Adaptation
+    from deepco_device.cpu_share import Pacer
+
+    from deepco.planning import pacing
+
+    uploads = Uploads()
+    searcher = SimpleNamespace(device=SimpleNamespace(uploads=uploads))
+    with Adaptation._searching(searcher, gentle=True):
+        assert uploads.quiet_since() is not None and isinstance(pacing._PACE.get(), Pacer)
+    with pacing.paced(lambda: None), Adaptation._searching(searcher, gentle=False):
+        assert uploads.quiet_since() is None and pacing._PACE.get() is None
+    assert uploads.quiet_since() is not None

@@ -274,3 +274,7 @@ def test_a_periodic_look_at_the_antennas_that_finds_one_faster_starts_a_gentle_s
     assert asked == [("antenna 0 10.00x faster probed", True)] and not found and not due
     assert "adapt: the antennas probed again: antenna 0 10.00x faster probed" in device.lines
     assert not health._considering
+    # every recheck is an event for the JSON log, whatever it found, so a run's log says what they cost
+    rechecks = [e for e in device.events if e["event"] == "recheck"]
+    assert [e["found"] for e in rechecks] == ["antenna 0 10.00x faster probed", None]
+    assert all(e["seconds"] >= 0 for e in rechecks)

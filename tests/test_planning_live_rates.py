@@ -78,6 +78,30 @@ def test_live_rates_rescale_only_the_rate_that_changed_and_keep_it_across_a_rest
     assert live.rates(base).server_flops_per_second["s0"] == pytest.approx(4e9 / 3, rel=0.15)
 
 
+def test_a_link_that_got_faster_while_the_frames_measured_nothing_reads_faster_at_the_next_reference():
+    """A new plan starts every stream again; the frames during the search after a switch measure nothing, so a
+    rise then lands in the new plan's first reference and no change point ever comes (the testbed: a split at
+    110-130 ms for 70 frames after a tenfold rise, beside an offload at 85). An antenna's sample is its fixed
+    part plus its slowness, never below the slowness: a first reference below the factor believed is the link
+    faster. One above it is the new plan's own fixed part, and the run's first reference is the plan as
+    calibrated: neither is a change."""
+    live = LiveRates()
+    base = Rates({"s0": 4e9}, [1e6, 1e6], 0.001, 1e9, 1e7, 0.001)
+    for sample in noisy(1.2, 10, 40):  # as calibrated, and the run's first reference: no change
+        assert live.observe({"antenna 0": sample, "antenna 1": 0.5 * sample}) == []
+    live.restart()  # a switch; then every antenna rises tenfold while the search runs
+    changes = []
+    for sample in noisy(0.2 + 0.1, 10, 41):  # the new plan's fixed part (0.2) plus the new slowness (0.1)
+        changes += live.observe({"antenna 0": sample, "antenna 1": 1.5 + 0.1})  # antenna 1: a large fixed part
+    assert [c.key for c in changes] == ["antenna 0"] and "faster" in changes[0].describe()
+    assert live.rates(base).antenna_bytes_per_second == [pytest.approx(1e6 / 0.3, rel=0.1), 1e6]
+    # the level found is the stream's origin from now on: a drop back reads as one change at its size
+    changes = []
+    for sample in noisy(0.2 + 1.0, 4, 42):
+        changes += live.observe({"antenna 0": sample})
+    assert [c.key for c in changes] == ["antenna 0"]
+    assert live.factor("antenna 0") == pytest.approx(1.2, rel=0.1)
+
 @pytest.mark.parametrize(("before", "after"), [(1.0, 10.0), (1.0, 0.1)])
 def test_a_links_fixed_cost_does_not_dilute_a_bandwidth_change(before, after):
     """An antenna's sample is its transfer over the bytes' time at setup's bandwidth: a fixed part (round trip,

@@ -424,7 +424,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
             "in_order": [r["frame"] for r in records] == list(range(len(records))),
             "max_relative_error": max(errors, default=float("nan")),
             "switches": [a for a in adapted if a["line"].startswith("switch: ")], "adaptation": adapted,
-            "change_points": changes,
+            "change_points": changes, "rechecks": _change_points(log, "recheck"),
             "latencies": [r["latency"] for r in records]}
 
 
@@ -452,16 +452,17 @@ def _phases(runs: Runs, cond: Conditions, auto_plan: Path, first: dict) -> tuple
 ADAPTATION_LINES = ("switch: ", "kept ", "adapt: ", "server ")  # switches, trials kept, joins and downs
 
 
-def _change_points(log: Path) -> list[dict]:
+def _change_points(log: Path, event: str = "change") -> list[dict]:
     """Live adaptation's change points in a run's JSON log (they print no line), each with the last frame
-    logged before it."""
+    logged before it; with ``event="recheck"`` its looks at the antennas instead (found: what read faster, or
+    None; seconds: how long the probes took, beside the frames)."""
     last, found = -1, []
     for line in log.read_text().splitlines():
         record = json.loads(line)
         if "frame" in record:
             last = record["frame"]
-        elif record.get("event") == "change":
-            found.append({"after_frame": last, "what": record["what"]})
+        elif record.get("event") == event:
+            found.append({"after_frame": last} | {k: v for k, v in record.items() if k not in ("event", "at")})
     return found
 
 
@@ -548,6 +549,11 @@ def report(result: dict) -> str:
         lines += [f"  repeat {k + 1}, after frame {s['after_frame']}: {s['line']}" for s in r["adaptation"]]
         lines += [f"  repeat {k + 1}, after frame {c['after_frame']}: change point: {', '.join(c['what'])}"
                   for c in r.get("change_points", [])]
+        rechecks = r.get("rechecks", [])
+        if rechecks:
+            lines.append(f"  repeat {k + 1}: {len(rechecks)} recheck(s) of the antennas, after frames "
+                         f"{', '.join(str(c['after_frame']) for c in rechecks)}; "
+                         f"{sum(c['found'] is not None for c in rechecks)} found one faster")
     return "\n".join(lines)
 
 
