@@ -368,7 +368,7 @@ class Health:
         if trial.cause and switched and self.adapt.settled(trial):
             self.device.log(f"adapt: no search after the switch: {now} measured "
                             f"{statistics.median(trial.tried) * 1e3:.1f} ms, within {self.adapt.margin:.0%} of the "
-                            f"{self.adapt.level_before * 1e3:.1f} ms before the change, and no rate got faster")
+                            f"{self.adapt.level_before * 1e3:.1f} ms before the change, no rate faster beyond it")
         elif trial.cause:  # a quick trial (a plan already on the servers): now the search for the best, paced
             # where the switch was made (the frames are out of the slow plan: the search need not hurry)
             self._consider(trial.cause, quick=False, gentle=switched)

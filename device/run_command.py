@@ -340,13 +340,14 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
     """What to run (printed) and the frames left for it: the feed, or None where calibration took them all."""
     from deepco_device.adaptation import Adaptation
     from deepco_device.planner import LiveFrames, StagedPlanner
-    from deepco_device.runners import send_whole_early, warm
+    from deepco_device.runners import send_whole_early, upload_bytes, warm
 
     from deepco.planning.staged import throughput
 
     if cache is None:  # the paper's plan: failover replans with the same algorithm, and it adapts within it
         print(dev.describe_plan(), flush=True)
-        adapt = Adaptation(dev, dev.replan(args.algorithm), warm=lambda p: warm(dev, p))
+        adapt = Adaptation(dev, dev.replan(args.algorithm), warm=lambda p: warm(dev, p),
+                           upload=lambda p: upload_bytes(dev, p))
         return Chosen(dev.plan, args.depth, dev.replan(args.algorithm), adapt, paper=True), feed
     planner = StagedPlanner(dev)
     objective = "latency" if args.objective == "slo" else args.objective  # failover: the fastest plan left
@@ -379,7 +380,9 @@ def _plan(args: argparse.Namespace, dev, cache: CacheUse | None, feed,
         adapt = Adaptation(dev, lambda down, rates: planner.plans(objective, exclude=down, rates=rates),
                            seconds=per_frame, warm=lambda p: warm(dev, p),
                            known=[r.plan for r in planner.standby], ahead=ahead, assumed=assumed,
-                           keep_reserve=True)
+                           keep_reserve=True, upload=lambda p: upload_bytes(dev, p),
+                           # each known plan's last timing (a runoff's comes after its first)
+                           measured={t["plan"]: t["measured"] for t in planner.trials if "measured" in t})
     return Chosen(plan, depth, lambda down: planner.best(objective, exclude=down), adapt, choice), rest
 
 

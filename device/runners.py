@@ -693,6 +693,19 @@ def warm(device: Device, plan: StagedPlan) -> bool:
     return all(device.uploads.holds(server, data, device.tag) for server, data in needed)
 
 
+def upload_bytes(device: Device, plan: StagedPlan) -> int:
+    """About how many bytes a runner of ``plan`` would send to load its models now: those its servers do not hold
+    from this device, at most the whole model's size (a server derives a stage from a whole model it holds or
+    fetches from a peer, so a radio carries a whole model about once: `Uploads._derive`); the whole model's
+    size where its stage models were never extracted (extracting them to count would cost a weak camera
+    seconds of CPU)."""
+    whole = device.artefacts.model.ByteSize()
+    needed = RUNNERS[plan.kind].extracted(device, plan)
+    if needed is None:
+        return whole
+    return min(whole, sum(len(data) for server, data in needed if not device.uploads.holds(server, data, device.tag)))
+
+
 def send_whole_early(device: Device) -> threading.Thread | None:
     """On a cold start, send the whole model to the fastest server up in the background, while the device plans
     and its first frames run (issue 27): a derived stage is made from it there, and the other servers fetch it
