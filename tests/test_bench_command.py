@@ -178,7 +178,7 @@ def test_live_adaptations_change_points_reach_the_json_log_and_the_scenario_repo
     scenario report lists it with the frame it came after."""
     import io
 
-    from deepco_bench.scenarios import _change_points
+    from deepco_bench.scenarios import _logged_events
     from deepco_device.run_report import Report
 
     log = io.StringIO()
@@ -188,7 +188,7 @@ def test_live_adaptations_change_points_reach_the_json_log_and_the_scenario_repo
     report.log_events()
     path = tmp_path / "run.jsonl"
     path.write_text('{"frame": 0}\n' + log.getvalue() + '{"frame": 1}\n')
-    assert _change_points(path) == [{"after_frame": 0, "what": ["server s0 4.00x slower"]}]
+    assert _logged_events(path) == [{"after_frame": 0, "what": ["server s0 4.00x slower"]}]
 
 
 def test_the_timed_bound_takes_each_servers_rate_from_its_whole_model_frames():

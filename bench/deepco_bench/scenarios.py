@@ -415,7 +415,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
     print(f"after frame {split - 1}: {changed}", flush=True)
     records = runs.finish(proc, log)
     adapted = _adaptation_lines(runs.printed(log))
-    changes = _change_points(log)
+    changes = _logged_events(log)
     errors = frame_errors(runs.workdir / "scenario.npz", args.model, args.input_size)
     failed = [r["error"] is not None for r in records]
     return {"change": changed, "calibration_frames": calibrated, "changed_after": split, "records": records,
@@ -424,7 +424,7 @@ def _auto_run(runs: Runs, cond: Conditions, frames: int) -> dict:
             "in_order": [r["frame"] for r in records] == list(range(len(records))),
             "max_relative_error": max(errors, default=float("nan")),
             "switches": [a for a in adapted if a["line"].startswith("switch: ")], "adaptation": adapted,
-            "change_points": changes, "rechecks": _change_points(log, "recheck"),
+            "change_points": changes, "rechecks": _logged_events(log, "recheck"),
             "latencies": [r["latency"] for r in records]}
 
 
@@ -452,10 +452,10 @@ def _phases(runs: Runs, cond: Conditions, auto_plan: Path, first: dict) -> tuple
 ADAPTATION_LINES = ("switch: ", "kept ", "adapt: ", "server ")  # switches, trials kept, joins and downs
 
 
-def _change_points(log: Path, event: str = "change") -> list[dict]:
-    """Live adaptation's change points in a run's JSON log (they print no line), each with the last frame
-    logged before it; with ``event="recheck"`` its looks at the antennas instead (found: what read faster, or
-    None; seconds: how long the probes took, beside the frames)."""
+def _logged_events(log: Path, event: str = "change") -> list[dict]:
+    """The ``event`` records of a run's JSON log, each with the last frame logged before it: live adaptation's
+    change points (they print no line), or with ``event="recheck"`` its looks at the antennas (found: what read
+    faster, or None; seconds: how long the probes took, beside the frames)."""
     last, found = -1, []
     for line in log.read_text().splitlines():
         record = json.loads(line)

@@ -194,10 +194,8 @@ class LiveRates:
         """A new plan runs: its samples have a bias of their own, so every stream starts a new reference (the
         factors found so far are kept)."""
         self._before = dict(self.factors)
-        for key, detector in self._detectors.items():
-            detector.clear()
-            if key.startswith(ADDITIVE):
-                self._cleared.add(key)
+        for key in self._detectors:
+            self._clear(key)
 
     def measured(self, key: str, factor: float) -> None:
         """``key`` was measured apart from the frames (a probe): it is ``factor`` times slower than setup measured;
@@ -206,9 +204,14 @@ class LiveRates:
             return
         self.factors[key] = self._before[key] = factor
         if key in self._detectors:
-            self._detectors[key].clear()
-            if key.startswith(ADDITIVE):
-                self._cleared.add(key)
+            self._clear(key)
+
+    def _clear(self, key: str) -> None:
+        """``key``'s stream starts a new reference; an additive one's first is checked for a link faster than
+        believed (`_faster_than_believed`)."""
+        self._detectors[key].clear()
+        if key.startswith(ADDITIVE):
+            self._cleared.add(key)
 
     def factor(self, key: str) -> float:
         """How many times slower than setup measured ``key`` is now."""
