@@ -162,8 +162,9 @@ class Adaptation:
                  frames_measure: bool | None = None, keep_reserve: bool = False,
                  measured: dict[str, float] | None = None, upload: Callable[[StagedPlan], int] | None = None):
         self.device, self.propose, self.margin, self.frames = device, propose, margin, frames
-        # seconds a frame the known plans measured (calibration's timings, by `StagedPlan.describe`; a plan the
-        # run leaves: its frames' ratio to its predictions), for `ratio`
+        # seconds a frame calibration measured for the known plans, and measured / predicted per plan once known
+        # (a plan the run leaves: its frames' median), both by `StagedPlan.describe` (which names no rows: a plan
+        # refitted to other rows is taken at its shape's ratio), for `ratio`
         self._measured = dict(measured or {})
         self._ratios: dict[str, float] = {}
         self.upload = upload or (lambda plan: 0)  # bytes a switch to a plan sends to the servers' models

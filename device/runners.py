@@ -698,8 +698,9 @@ def upload_bytes(device: Device, plan: StagedPlan) -> int:
     from this device, at most the whole model's size (a server derives a stage from a whole model it holds or
     fetches from a peer, so a radio carries a whole model about once: `Uploads._derive`); the whole model's
     size where its stage models were never extracted (extracting them to count would cost a weak camera
-    seconds of CPU)."""
-    whole = device.artefacts.model.ByteSize()
+    seconds of CPU). The whole model's bytes are serialized once per device (`_whole_bytes`; a cold start
+    has them already): protobuf's ``ByteSize`` serializes the message to count it, each time."""
+    whole = len(_whole_bytes(device))
     needed = RUNNERS[plan.kind].extracted(device, plan)
     if needed is None:
         return whole
