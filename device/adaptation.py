@@ -305,13 +305,14 @@ class Adaptation:
         frame's first kilobytes through at once): on the testbed's former 64 KiB bucket an offload at 10 Mbit/s
         was predicted 207-238 ms while its frames took 151-167, and splits predicted at 148-167 ms were tried,
         their models uploaded over that radio, and measured slower."""
-        if not self.latency or running is not self._plan or len(self._latencies) < self._latencies.maxlen:
+        frames = self._frames_now(running)
+        if frames is None:
             return now
         # never above 1: a plan that ran slower than predicted is held to its frames as they are (frames of a
         # change not yet seen in its bias would otherwise rule out the way out: on the testbed a bias of 2.5,
         # from the slowed server's own frames, kept an offload at 300-400 ms beside a reserve predicted at 115)
         bias = min(1.0, statistics.median(self._bias)) if len(self._bias) >= BIAS_LEAST else 1.0
-        return min(now, statistics.median(self._latencies) / bias)
+        return min(now, frames / bias)
 
     def matters(self, changes: list[Change]) -> bool:
         """Whether the change points ``changes``, with those before them not yet acted on (a drift comes as
