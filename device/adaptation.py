@@ -513,21 +513,9 @@ class Adaptation:
             with self._searching(gentle):  # refitting: a few plans' worth
                 return self.joined(running, down, why, rates, now)
         if quick and margin >= 0:  # before the idle servers' probe: the trial measures them (and it follows)
-            bar = self.bar(running, now)
-            fast = self.quick(running, down, rates)
-            new = None if fast is None else self.seconds(fast, rates)
-            if fast is not None and new < bar * (1 - margin):
-                return self._trial(fast, f"{why}; predicted {new * 1e3:.1f} vs {bar * 1e3:.1f} ms (its models on "
-                                         "the servers already)", cause=why)
-            # each side as it runs: the known plan's prediction times its own measured ratio, against the frames
-            # (on the testbed a split ran at 100-140 ms after a rise beside its prediction of 95, and the offload
-            # on the servers, predicted 104 and measured at 0.84 of its predictions, was never tried). Expected
-            # faster at all is enough: both are measured, and its trial costs no upload, only 3 frames
-            frames, ratio = self._frames_now(running), None if fast is None else self.ratio(fast)
-            if frames is not None and ratio is not None and new * ratio < frames:
-                return self._trial(fast, f"{why}; expected {new * ratio * 1e3:.1f} ms (predicted {new * 1e3:.1f}, "
-                                         f"x{ratio:.2f} as measured) vs {frames * 1e3:.1f} ms measured (its "
-                                         "models on the servers already)", cause=why)
+            found = self.quick(running, down, rates, self.bar(running, now), margin)
+            if found is not None:
+                return self._trial(found[0], f"{why}; {found[1]} (its models on the servers already)", cause=why)
         self.probe_idle_servers(running, down)
         rates = self.rates()
         now = self.bar(running, self.seconds(running, rates))
@@ -614,12 +602,35 @@ class Adaptation:
         return Trial(best, f"{why}; planned ahead for them, predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms",
                      self.frames)
 
-    def quick(self, running: StagedPlan, down: set[str], rates: Rates) -> StagedPlan | None:
-        """Of the `known` plans whose models are on the servers, without the servers in ``down``, the one
-        expected fastest on ``rates`` (its prediction times its `ratio` where known; None: none but ``running``)."""
-        ready = [p for p in self.known if not set(p.servers) & down and self.warm(p)
-                 and not same_plan(p.to_dict(), running.to_dict())]
-        return min(ready, key=lambda p: self.seconds(p, rates) * (self.ratio(p) or 1.0), default=None)
+    def quick(self, running: StagedPlan, down: set[str], rates: Rates, bar: float,
+              margin: float) -> tuple[StagedPlan, str] | None:
+        """Of the `known` plans whose models are on the servers, without the servers in ``down``, the one expected
+        fastest on ``rates`` (its prediction times its `ratio` where known) of those worth a trial, and why. Each
+        plan is compared on the best scale there is: where its own measured ratio and the running plan's last
+        frames are known, expected (prediction times ratio) below those frames (each side as it runs: on the
+        testbed a split ran at 100-140 ms after a rise beside its prediction of 95, and the offload on the servers,
+        predicted 104 and measured at 0.84 of its predictions, was never tried; faster at all is enough, since
+        both sides are measured and the trial costs no upload, only a few frames); else predicted below ``bar``
+        (`bar`) by ``margin``. None: no such plan."""
+        frames = self._frames_now(running)
+        best: tuple[float, StagedPlan, str] | None = None
+        for plan in self.known:
+            if set(plan.servers) & down or not self.warm(plan) or same_plan(plan.to_dict(), running.to_dict()):
+                continue
+            new, ratio = self.seconds(plan, rates), self.ratio(plan)
+            expected = new * (ratio or 1.0)
+            if frames is not None and ratio is not None:  # both sides as measured: expected faster at all
+                if expected >= frames:
+                    continue
+                why = (f"expected {expected * 1e3:.1f} ms (predicted {new * 1e3:.1f}, x{ratio:.2f} as measured) vs "
+                       f"{frames * 1e3:.1f} ms measured")
+            elif new < bar * (1 - margin):
+                why = f"predicted {new * 1e3:.1f} vs {bar * 1e3:.1f} ms"
+            else:
+                continue
+            if best is None or expected < best[0]:
+                best = (expected, plan, why)
+        return None if best is None else best[1:]
 
     def choose(self, proposed: StagedPlan | list[StagedPlan], rates: Rates) -> tuple[StagedPlan, bool]:
         """Of the ``proposed`` plans (best first), the best, or the best whose models are on the servers already

@@ -370,8 +370,10 @@ class Health:
                             f"{statistics.median(trial.tried) * 1e3:.1f} ms, within {self.adapt.margin:.0%} of the "
                             f"{self.adapt.level_before * 1e3:.1f} ms before the change, no rate faster beyond it")
         elif trial.cause:  # a quick trial (a plan already on the servers): now the search for the best, paced
-            # where the switch was made (the frames are out of the slow plan: the search need not hurry)
-            self._consider(trial.cause, quick=False, gentle=switched)
+            # where the switch was made (the frames are out of the slow plan) or the change made the running plan
+            # no slower (a link read faster): then the search need not hurry. (Hurried after every kept trial, a
+            # trial on a noisy change point cost a search that took the camera's CPU from the frames.)
+            self._consider(trial.cause, quick=False, gentle=switched or not self.adapt.worse)
         self._next()
 
     def _abandon(self, runner, exc: ServerError) -> bool:

@@ -814,6 +814,30 @@ def test_a_plan_on_the_servers_is_expected_at_its_own_measured_ratio_against_the
         assert adapt.seconds(other, adapt.rates()) * adapt.ratio(other) > 0.190
 
 
+def test_a_plan_on_the_servers_whose_own_ratio_says_it_runs_slower_than_the_running_plans_frames_is_not_tried():
+    """Each known plan is compared on one scale: where its measured ratio and the running plan's frames are both
+    known, expected against measured. A plan predicted 24% under the running plan but measured at 1.5x its
+    predictions would run slower than the frames do now: its trial would only cost three slow frames. Unmeasured,
+    its prediction against the bar decides, as before."""
+    from deepco.planning.staged import offload_plan_on
+
+    key = offload_plan_on("s1", 0).describe()
+    for measured, tried in ((0.150, False), (None, True)):
+        adapt, plan, other, lines = _offload_adaptation(0, measured=None if measured is None else {key: measured},
+                                                        known=True)
+        predicted = adapt.seconds
+        adapt.seconds = lambda p, r, predicted=predicted, other=other: 0.100 if p is other else predicted(p, r)
+        for _ in range(12):
+            adapt.observe(plan, _frame_taking(0.132, 0.012))
+        rates = adapt.rates()
+        found = adapt.quick(plan, set(), rates, adapt.bar(plan, adapt.seconds(plan, rates)), adapt.margin)
+        assert (found is not None) == tried, (measured, found)
+        if tried:
+            assert found[0] is other and found[1] == "predicted 100.0 vs 132.0 ms"
+        else:
+            assert adapt.ratio(other) == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize(("faster", "settled"), [(1.0, True), (1.06, True), (1.3, False)])
 def test_no_search_after_a_switch_that_runs_within_the_margin_of_the_best_any_plan_can_now_do(faster, settled):
     """A switch after change points is followed by no search where its frames run within the margin of what the

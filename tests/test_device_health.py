@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import grpc
+import pytest
 from deepco_device.adaptation import Adaptation, Trial
 from deepco_device.health import Health
 from deepco_device.lifecycle import Uploads
@@ -278,3 +279,32 @@ def test_a_periodic_look_at_the_antennas_that_finds_one_faster_starts_a_gentle_s
     rechecks = [e for e in device.events if e["event"] == "recheck"]
     assert [e["found"] for e in rechecks] == ["antenna 0 10.00x faster probed", None]
     assert all(e["seconds"] >= 0 for e in rechecks)
+
+
+@pytest.mark.parametrize("worse", [False, True])
+def test_the_search_after_a_kept_quick_trial_hurries_only_where_the_change_made_the_running_plan_slower(worse):
+    """A quick trial (a plan on the servers) is followed by the search for the best. Where the trial was kept
+    and the change left the running plan no slower (a link read faster), that search has no slow frames to get
+    out of: it is paced then (on the testbed a hurried one after such a trial had frames at 100-147 ms beside an
+    offload at 78-105), and hurries only where the running plan got slower."""
+    health, device, calls, first = make_health(["s0", "s1"])
+    asked = []
+
+    class Adapt:
+        live = SimpleNamespace(restart=lambda: None)
+        known: list = []
+
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+            asked.append((why, quick, gentle))
+            return None
+
+    health.adapt = Adapt()
+    health.adapt.worse = worse
+    health.background = lambda fn, *args: fn(*args)
+    trial = Trial(plan_on(["s1"]), "antenna 0 1.84x faster; expected 87 ms", cause="antenna 0 1.84x faster")
+    trial.runner = SimpleNamespace(plan=trial.plan, close=lambda: None)
+    trial.tried, trial.running = [0.169] * trial.frames, [0.093] * trial.frames
+    health.trial = trial
+    health._decide(trial)
+    assert health.current() is first and device.lines[-1].startswith("kept ")
+    assert asked == [("antenna 0 1.84x faster", False, not worse)]

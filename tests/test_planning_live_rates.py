@@ -102,6 +102,26 @@ def test_a_link_that_got_faster_while_the_frames_measured_nothing_reads_faster_a
     assert [c.key for c in changes] == ["antenna 0"]
     assert live.factor("antenna 0") == pytest.approx(1.2, rel=0.1)
 
+def test_a_new_plan_reading_its_link_where_the_last_plan_read_it_is_no_change_even_below_setups_probe():
+    """A shaper's burst lets a frame's bytes through faster than setup's probe measured the link, all run long:
+    the testbed's offload read its antenna at 0.54 of the probe. The offload a slowed server led to, on the same
+    link, read there too, and was taken as "antenna 0 1.84x faster" (a probe and a search beside the frames).
+    Against the level the last plan's frames showed it is nothing; a real rise during the search still is."""
+    live = LiveRates()
+    for sample in noisy(0.54, 10, 50):  # the run's first plan: below setup's probe from the start
+        assert live.observe({"antenna 0": sample}) == []
+    live.restart()  # a switch to a plan on the same link
+    for sample in noisy(0.54, 10, 51):
+        assert live.observe({"antenna 0": sample}) == []
+    assert live.factor("antenna 0") == 1.0
+    live.restart()  # another switch; the link rises fourfold while its search blinds the frames
+    changes = []
+    for sample in noisy(0.54 / 4, 10, 52):
+        changes += live.observe({"antenna 0": sample})
+    assert [c.key for c in changes] == ["antenna 0"]
+    assert live.factor("antenna 0") == pytest.approx(1 / 4, rel=0.15)
+
+
 @pytest.mark.parametrize(("before", "after"), [(1.0, 10.0), (1.0, 0.1)])
 def test_a_links_fixed_cost_does_not_dilute_a_bandwidth_change(before, after):
     """An antenna's sample is its transfer over the bytes' time at setup's bandwidth: a fixed part (round trip,
