@@ -216,6 +216,8 @@ class Health:
         if trial is not None:
             if runner is trial.runner or runner is running:
                 trial.record(runner is trial.runner, timing.latency)
+            if runner is trial.runner and self._quiet(timing):  # its own level, beside the running plan's
+                trial.samples.append(self.adapt.samples(trial.plan, timing))
             if trial.decided:
                 self._decide(trial)
             return
@@ -239,6 +241,10 @@ class Health:
             # the running plan no slower (a link faster, a server it leaves idle slower): the search need not
             # take the frames' CPU
             self._consider(", ".join(c.describe() for c in changes), gentle=not self.adapt.worse)
+        elif self.adapt.slowed is not None:  # the frames slowed and no rate moved: the plans on the servers
+            why = f"its frames {self.adapt.slowed:.2f}x slower, no rate moved"
+            self.device.events.append({"event": "change", "what": [why], "at": time.perf_counter()})
+            self._consider(why, search=False)
 
     def _recheck(self) -> None:
         """Live adaptation's periodic look at the antennas (`Adaptation.recheck`), beside the frames; where one
@@ -287,20 +293,20 @@ class Health:
         return quiet is not None and time.perf_counter() - timing.latency >= quiet
 
     def _consider(self, why: str, margin: float | None = None, quick: bool = True, gentle: bool = False,
-                  back: list[str] | tuple[str, ...] = ()) -> None:
+                  back: list[str] | tuple[str, ...] = (), search: bool = True) -> None:
         """Ask live adaptation, in the background (planning and uploads take time; frames go on meanwhile),
         for a better plan than the running one (by ``margin``, default live adaptation's), and put it on trial
-        once its models are on the servers. ``gentle``: as `Adaptation.candidate`'s."""
+        once its models are on the servers. ``gentle``, ``search``: as `Adaptation.candidate`'s."""
         with self.lock:
             if self.trial is not None or self._considering:
                 if margin == -math.inf:  # servers back: tried once the trial under way is decided
                     self._joins_waiting = sorted({*self._joins_waiting, *back})
-                elif self._considering:  # the rates moved under the search: else nothing would look again
-                    self._changes_waiting = why
+                elif self._considering and search:  # the rates moved under the search: else nothing would look
+                    self._changes_waiting = why  # again (the frames alone slower: the search under way covers it)
                 return
             self._considering = True
             running, down = self.runner, set(self.down)
-        self.background(self._propose, running, down, why, margin, quick, gentle, back)
+        self.background(self._propose, running, down, why, margin, quick, gentle, back, search)
 
     def _next(self) -> None:
         """A trial was decided (or none made): the servers that came back meanwhile are tried now, or else the
@@ -315,11 +321,11 @@ class Health:
             self._consider(change)
 
     def _propose(self, running, down: set[str], why: str, margin: float | None, quick: bool = True,
-                 gentle: bool = False, back: list[str] | tuple[str, ...] = ()) -> None:
+                 gentle: bool = False, back: list[str] | tuple[str, ...] = (), search: bool = True) -> None:
         """`_consider`'s work: the candidate and its runner (None where the running plan stays)."""
         trial = None
         try:
-            trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle, back)
+            trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle, back, search)
             if trial is not None:
                 # its models uploaded before any frame runs on it; the frames meanwhile measure nothing: a weak
                 # camera cuts and hashes the stage models on its own CPU between the uploads (on the testbed,
@@ -358,7 +364,7 @@ class Health:
         was, now = old.plan.brief_beside(trial.plan), trial.plan.brief_beside(old.plan)
         if switched:
             self.adapt.known.append(old.plan)  # its models stay on the servers: a way back without uploads
-            self.adapt.live.restart()  # the new plan's samples have a bias of their own
+            self.adapt.live.restart(trial.own())  # its samples have a bias of their own, which its trial read
             self.device.events.append({"event": "switch", "from": old.plan.describe(), "to": trial.plan.describe(),
                                        "why": trial.why, "at": time.perf_counter()})
             self.device.log(f"switch: {was} -> {now}: {trial.why}; measured {trial.verdict()}")

@@ -45,6 +45,7 @@ class RecordingAdaptation:
 
     def __init__(self) -> None:
         self.fed: list[float] = []
+        self.slowed = None  # nor a change of the frames' own
 
     def observe(self, plan, timing: FrameTiming) -> list:
         self.fed.append(timing.latency)

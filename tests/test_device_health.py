@@ -82,17 +82,24 @@ def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so
     health, device, calls, first = make_health(["s0", "s1", "s2"])
     tried, joined = [], []
 
+    restarted = []
+
     class Adapt:  # live adaptation's answer: the plan with every server that is up, on trial
-        live = SimpleNamespace(restart=lambda: None)
+        live = SimpleNamespace(restart=restarted.append)
         known: list = []
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+        @staticmethod
+        def samples(plan, timing):  # each plan's antenna read at its own level
+            return {"antenna 0": 0.1 * len(plan.servers) + timing.latency}
+
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             tried.append(set(down))
             joined.append(list(back))
             return Trial(plan_on([s for s in ["s0", "s1", "s2"] if s not in down]), why)
 
     health.adapt = Adapt()
     health.background = lambda fn, *args: fn(*args)  # the trial's runner is made here, not on a thread
+    health.device.uploads.quiet_since = lambda: 0.0  # the frames measure the network
     health.failed(first, ServerError("addr-s1", grpc.StatusCode.UNAVAILABLE, "gone"))
     running = health.current()
     assert running.plan.servers == ["s0", "s2"]
@@ -110,6 +117,8 @@ def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so
     assert ran == {"running": 3, "trial": 3}
     assert health.current().plan.servers == ["s0", "s1", "s2"]
     assert device.lines[-1] == "switch: split over 2 servers -> split over 3 servers: s1 back; measured 10.0 vs 20.0 ms"
+    # the streams start again from the new plan's own level, which its trial's frames read beside the old plan's
+    assert restarted == [{"antenna 0": pytest.approx(0.31)}]
 
 
 def test_a_replan_is_one_short_line_even_with_host_port_names_and_many_servers():
@@ -135,9 +144,9 @@ def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
     health, device, calls, first = make_health(["s0", "s1", "s2"])
 
     class Adapt:  # the plan with s2 back is the running one (e.g. two rows for three servers)
-        live = SimpleNamespace(restart=lambda: None)
+        live = SimpleNamespace(restart=lambda own=None: None)
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             return None
 
     health.adapt = Adapt()
@@ -158,7 +167,7 @@ def test_a_change_point_seen_while_a_candidate_is_planned_is_planned_on_after_it
     asked, later = [], []
 
     class Adapt:
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             asked.append(why)
             return None  # the rates before the step: nothing better
 
@@ -215,13 +224,13 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
     asked = []
 
     class Adapt:
-        live = SimpleNamespace(restart=lambda: None)
+        live = SimpleNamespace(restart=lambda own=None: None)
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             asked.append((why, gentle))
             return None
 
-        worse, margin, _before = False, 0.15, None
+        worse, margin, _before, slowed = False, 0.15, None, None
         matters = Adaptation.matters
         recheck_due = staticmethod(lambda now, running: False)
 
@@ -252,9 +261,10 @@ def test_a_periodic_look_at_the_antennas_that_finds_one_faster_starts_a_gentle_s
     asked, found, due = [], ["antenna 0 10.00x faster probed", None], [False, True, False, True]
 
     class Adapt:
-        live = SimpleNamespace(restart=lambda: None)
+        live = SimpleNamespace(restart=lambda own=None: None)
+        slowed = None
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             asked.append((why, gentle))
             return None
 
@@ -291,10 +301,10 @@ def test_the_search_after_a_kept_quick_trial_hurries_only_where_the_change_made_
     asked = []
 
     class Adapt:
-        live = SimpleNamespace(restart=lambda: None)
+        live = SimpleNamespace(restart=lambda own=None: None)
         known: list = []
 
-        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=()):
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             asked.append((why, quick, gentle))
             return None
 
@@ -308,3 +318,31 @@ def test_the_search_after_a_kept_quick_trial_hurries_only_where_the_change_made_
     health._decide(trial)
     assert health.current() is first and device.lines[-1].startswith("kept ")
     assert asked == [("antenna 0 1.84x faster", False, not worse)]
+
+
+def test_frames_slower_with_no_rate_moved_try_the_plans_on_the_servers_without_a_search():
+    """Another device on the same server spread the time over the transfer, the wait for the compute slot and
+    the compute, each bimodal: no rate's change point came, while the offload went from 82 to 130-145 ms. The
+    frames' own change point asks live adaptation for the plans on the servers only (no search), once."""
+    health, device, calls, first = make_health(["s0", "s1"])
+    asked = []
+
+    class Adapt:
+        live = SimpleNamespace(restart=lambda own=None: None)
+        worse, margin, _before, slowed = False, 0.15, None, None
+        recheck_due = staticmethod(lambda now, running: False)
+
+        def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
+            asked.append((why, search))
+            return None
+
+        def observe(self, plan, timing):
+            self.slowed = 1.6
+            return []
+
+    health.adapt = Adapt()
+    health.background = lambda fn, *args: fn(*args)
+    health.device.uploads.quiet_since = lambda: 0.0
+    health.observe(health.current(), FrameTiming(latency=0.0))
+    assert asked == [("its frames 1.60x slower, no rate moved", False)]
+    assert [e["what"] for e in device.events if e["event"] == "change"] == [["its frames 1.60x slower, no rate moved"]]

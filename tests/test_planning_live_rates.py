@@ -122,6 +122,27 @@ def test_a_new_plan_reading_its_link_where_the_last_plan_read_it_is_no_change_ev
     assert live.factor("antenna 0") == pytest.approx(1 / 4, rel=0.15)
 
 
+def test_a_new_plan_is_read_against_its_own_level_from_its_trial_whatever_its_bias():
+    """A split's band read its link 2.93x faster than the offload before it had, on the same link and rate
+    (the testbed's server-slowdown): another plan, another bias. Where the new plan's trial measured its own level
+    beside the old plan's frames, its first reference is read against that: at it, nothing; a tenfold rise while
+    its search blinded the frames, a change of about tenfold (its fixed part cancels); and a link the old plan
+    did not use is checked too."""
+    live = LiveRates()
+    for sample in noisy(1.0, 10, 60):  # the offload: antenna 0 at setup's level
+        assert live.observe({"antenna 0": sample}) == []
+    live.restart({"antenna 0": 0.34, "antenna 1": 0.5, "server s0": 2.0})  # its trial: a band, and antenna 1 too
+    for sample in noisy(0.34, 10, 61):
+        assert live.observe({"antenna 0": sample, "antenna 1": 0.5}) == []
+    assert live.factor("antenna 0") == live.factor("antenna 1") == 1.0
+    live.restart({"antenna 0": 0.34, "antenna 1": 0.3 + 1.0})  # the next plan: 0.3 of fixed part on antenna 1
+    changes = []
+    for sample in noisy(0.34, 10, 62):  # antenna 1 rises tenfold during the search: its fixed part stays
+        changes += live.observe({"antenna 0": sample, "antenna 1": 0.3 + 0.1})
+    assert [c.key for c in changes] == ["antenna 1"]
+    assert live.factor("antenna 1") == pytest.approx(0.1, rel=0.35) and live.factor("antenna 0") == 1.0
+
+
 @pytest.mark.parametrize(("before", "after"), [(1.0, 10.0), (1.0, 0.1)])
 def test_a_links_fixed_cost_does_not_dilute_a_bandwidth_change(before, after):
     """An antenna's sample is its transfer over the bytes' time at setup's bandwidth: a fixed part (round trip,

@@ -152,6 +152,7 @@ class LiveRates:
         # believed then: a plan's frames can read a link faster than setup's probe all run long (a shaper's burst),
         # so a new plan on the same link reading that level again is no change (`_faster_than_believed`)
         self._seen: dict[str, float] = {}
+        self._own: set[str] = set()  # streams whose `_seen` is the running plan's own (its trial's frames)
 
     def observe(self, samples: dict[str, float]) -> list[Change]:
         """Feed one frame's samples (key -> seconds taken / seconds setup's rate gives); the change points they
@@ -188,23 +189,39 @@ class LiveRates:
         believed is the factor, or less where the frames before the restart read the link below it (`_seen`, at
         the factor now): on the testbed an offload's frames read their link at 0.54 of setup's probe all run long,
         and the offload a slowed server led to, on the same link, read as "antenna 0 1.84x faster" and cost a
-        probe and a search beside frames at 150-173 ms. The factor moves by the new median over that belief (the
+        probe and a search beside frames at 150-173 ms. Where the new plan's own level is known (its trial's
+        frames, `restart`; or the same plan's frames before a probe), that is what is believed, fixed part and
+        all, and the fixed part cancels (`moved`); else the factor moves by the new median over the belief (the
         fixed part taken as none: the slower reading of the two; a probe confirms it, device.adaptation). Above
         the belief says nothing: a plan's fixed part is its own."""
         was = self.factor(key)
-        believed = min(was, was * self._seen.get(key, math.inf))
+        seen = self._seen.get(key, math.inf)
+        believed = was * seen if key in self._own else min(was, was * seen)
         if detector.origin * (1 + self.threshold) >= believed:
             return []
-        self.factors[key] = self._before[key] = was * detector.origin / believed
+        now = moved(was, believed, detector.origin)  # a level of the plan's own holds its fixed part: it cancels
+        if now < was * LEAST_STEP:  # at or below that fixed part: none so large (as in `observe`)
+            now = was * detector.origin / believed
+        self.factors[key] = self._before[key] = now
         detector.run = REFERENCE
-        return [Change(key, detector.origin / believed, REFERENCE)]
+        return [Change(key, now / was, REFERENCE)]
 
-    def restart(self) -> None:
+    def restart(self, own: dict[str, float] | None = None) -> None:
         """A new plan runs: its samples have a bias of their own, so every stream starts a new reference (the
-        factors found so far are kept)."""
+        factors found so far are kept). ``own``: the new plan's own samples, by stream (the median of its trial's
+        frames, which ran beside the old plan's at the factors now): an additive stream's first reference is
+        then checked against the plan's own level, whatever its bias (a split's band read its link 2.93x
+        faster than the offload before it had, on the same link and rate), and a stream the old plan did not
+        have is checked too."""
         self._before = dict(self.factors)
         for key in self._detectors:
             self._clear(key)
+        self._own.clear()
+        for key, level in (own or {}).items():
+            if key.startswith(ADDITIVE) and level > 0 and math.isfinite(level):
+                self._seen[key] = level / self.factor(key)
+                self._own.add(key)
+                self._cleared.add(key)
 
     def measured(self, key: str, factor: float) -> None:
         """``key`` was measured apart from the frames (a probe): it is ``factor`` times slower than setup measured;
@@ -212,17 +229,22 @@ class LiveRates:
         if not factor > 0 or not math.isfinite(factor):
             return
         if key in self._detectors:  # the frames' level is read against the factor they ran at
-            self._clear(key)
+            self._clear(key, same_plan=True)
         self.factors[key] = self._before[key] = factor
 
-    def _clear(self, key: str) -> None:
+    def _clear(self, key: str, same_plan: bool = False) -> None:
         """``key``'s stream starts a new reference; an additive one's first is checked for a link faster than
-        believed (`_faster_than_believed`)."""
+        believed (`_faster_than_believed`) against the level its frames read so far (``same_plan``: they were
+        the plan that goes on running, after a probe; else another plan's)."""
         detector = self._detectors[key]
         if key.startswith(ADDITIVE):
             self._cleared.add(key)
             if len(detector.samples) >= REFERENCE:  # else the reading before it stands (two restarts in a row)
                 self._seen[key] = statistics.median(detector.samples) / self.factor(key)
+                if same_plan:
+                    self._own.add(key)
+            if not same_plan:
+                self._own.discard(key)
         detector.clear()
 
     def factor(self, key: str) -> float:
