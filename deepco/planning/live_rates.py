@@ -61,6 +61,13 @@ def moved(before: float, origin: float, median: float) -> float:
     return before * (median - fixed) / (origin - fixed)
 
 
+def _moved_or_plain(before: float, origin: float, median: float, was: float) -> float:
+    """`moved`, or the plain ratio of the medians where that would fall below ``LEAST_STEP`` of ``was`` (the
+    new samples at or below the fixed part the reference implied: it held no fixed part that large)."""
+    now = moved(before, origin, median)
+    return before * median / origin if now < was * LEAST_STEP else now
+
+
 @dataclass(frozen=True)
 class Change:
     """A change point: the rate ``key`` (e.g. ``server s0``, ``antenna 1``, ``device``) is now ``factor`` times
@@ -169,10 +176,7 @@ class LiveRates:
                 continue
             before, was = self._before.get(key, 1.0), self.factor(key)
             if key.startswith(ADDITIVE):  # fixed part + slowness: the fixed part cancels (module doc)
-                now = moved(before, detector.origin, detector.median)
-                if now < was * LEAST_STEP:  # the new samples at or below the fixed part the reference implied:
-                    # it held no fixed part that large, so none is taken out (the plain ratio of the medians)
-                    now = before * detector.median / detector.origin
+                now = _moved_or_plain(before, detector.origin, detector.median, was)
                 self.factors[key] = now
                 factor = now / was
             else:
@@ -199,9 +203,7 @@ class LiveRates:
         believed = was * seen if key in self._own else min(was, was * seen)
         if detector.origin * (1 + self.threshold) >= believed:
             return []
-        now = moved(was, believed, detector.origin)  # a level of the plan's own holds its fixed part: it cancels
-        if now < was * LEAST_STEP:  # at or below that fixed part: none so large (as in `observe`)
-            now = was * detector.origin / believed
+        now = _moved_or_plain(was, believed, detector.origin, was)  # a level of the plan's own holds its fixed part
         self.factors[key] = self._before[key] = now
         detector.run = REFERENCE
         return [Change(key, now / was, REFERENCE)]
