@@ -180,10 +180,12 @@ def probe_link(client: InferenceClient, marshal: float = 0.0) -> tuple[float, fl
     nbytes: int | None = LINK_PROBE_START
     while nbytes is not None:
         size, took = nbytes, median_seconds(lambda n=nbytes: client.echo(n), runs=3)
+        # ... and a burst of load over all five small echoes still raised that floor (a CI run read 1.2x the
+        # radio, another grew a slow radio's payload fourfold): the floor is the least of those and of as many
+        # more taken after each large one
+        floor = min(floor, *wall_times(lambda: client.echo(1), runs=5))
         nbytes = next_link_probe(size, took - floor)
-    # ... and a burst of load over all five small echoes still raised that floor (a CI run read 1.2x the radio):
-    # the floor is the least of those and as many more taken after the large ones
-    transfer = took - min(floor, *wall_times(lambda: client.echo(1), runs=5))
+    transfer = took - floor
     return size / max(transfer - marshal * size, 0.5 * transfer, 1e-6), small
 
 
