@@ -326,6 +326,9 @@ class Health:
         trial = None
         try:
             trial = self.adapt.candidate(running.plan, down, why, margin, quick, gentle, back, search)
+            if self.adapt.passed_over:  # the plans on the servers not tried, and why: the JSON log's account
+                self.device.events.append({"event": "passed over", "why": why, "plans": list(self.adapt.passed_over),
+                                           "at": time.perf_counter()})
             if trial is not None:
                 # its models uploaded before any frame runs on it; the frames meanwhile measure nothing: a weak
                 # camera cuts and hashes the stage models on its own CPU between the uploads (on the testbed,

@@ -145,7 +145,7 @@ def test_frames_while_a_trials_runner_is_made_are_not_quiet():
         release.wait(10)
         return SimpleNamespace(plan=plan)
 
-    adapt = SimpleNamespace(candidate=lambda *args: Trial(candidate, "a test"))
+    adapt = SimpleNamespace(candidate=lambda *args: Trial(candidate, "a test"), passed_over=[])
     health = Health(device, running, make=make, replan=lambda down: running.plan, ready=lambda s: True,
                     server_at=lambda a: None, adapt=adapt)
     proposing = threading.Thread(target=health._propose, args=(running, set(), "a test", None))

@@ -85,6 +85,7 @@ def test_a_server_back_joins_through_a_trial_on_live_frames_and_one_line_says_so
     restarted = []
 
     class Adapt:  # live adaptation's answer: the plan with every server that is up, on trial
+        passed_over: list = []  # the plans quick passed over (none here)
         live = SimpleNamespace(restart=restarted.append)
         known: list = []
 
@@ -144,6 +145,7 @@ def test_a_server_back_with_no_work_in_the_plan_is_one_line_not_silence():
     health, device, calls, first = make_health(["s0", "s1", "s2"])
 
     class Adapt:  # the plan with s2 back is the running one (e.g. two rows for three servers)
+        passed_over: list = []  # the plans quick passed over (none here)
         live = SimpleNamespace(restart=lambda own=None: None)
 
         def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
@@ -167,6 +169,7 @@ def test_a_change_point_seen_while_a_candidate_is_planned_is_planned_on_after_it
     asked, later = [], []
 
     class Adapt:
+        passed_over: list = []  # the plans quick passed over (none here)
         def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
             asked.append(why)
             return None  # the rates before the step: nothing better
@@ -224,6 +227,7 @@ def test_the_search_yields_the_cpu_only_where_nothing_got_slower():
     asked = []
 
     class Adapt:
+        passed_over: list = []  # the plans quick passed over (none here)
         live = SimpleNamespace(restart=lambda own=None: None)
 
         def candidate(self, running, down, why, margin=None, quick=True, gentle=False, back=(), search=True):
@@ -261,6 +265,7 @@ def test_a_periodic_look_at_the_antennas_that_finds_one_faster_starts_a_gentle_s
     asked, found, due = [], ["antenna 0 10.00x faster probed", None], [False, True, False, True]
 
     class Adapt:
+        passed_over: list = []  # the plans quick passed over (none here)
         live = SimpleNamespace(restart=lambda own=None: None)
         slowed = None
 
@@ -301,6 +306,7 @@ def test_the_search_after_a_kept_quick_trial_hurries_only_where_the_change_made_
     asked = []
 
     class Adapt:
+        passed_over: list = []  # the plans quick passed over (none here)
         live = SimpleNamespace(restart=lambda own=None: None)
         known: list = []
 
@@ -328,6 +334,7 @@ def test_frames_slower_with_no_rate_moved_try_the_plans_on_the_servers_without_a
     asked = []
 
     class Adapt:
+        passed_over: list = []  # the plans quick passed over (none here)
         live = SimpleNamespace(restart=lambda own=None: None)
         worse, margin, _before, slowed = False, 0.15, None, None
         recheck_due = staticmethod(lambda now, running: False)
