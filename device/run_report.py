@@ -16,8 +16,9 @@ from deepco_device.feed import Dropped
 from deepco_device.records import FrameResult
 
 # of the device's health events, those the JSON log gets (a line each): servers down and up, and live
-# adaptation's change points, searches that kept the plan and switches (no printed line says a change point)
-LOGGED_EVENTS = ("down", "up", "change", "kept", "switch", "recheck")
+# adaptation's change points, the plans on the servers it passed over, searches that kept the plan and switches
+# (no printed line says a change point or what was passed over)
+LOGGED_EVENTS = ("down", "up", "change", "passed over", "kept", "switch", "recheck")
 
 
 @contextlib.contextmanager

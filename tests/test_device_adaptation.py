@@ -934,3 +934,25 @@ def test_no_search_after_a_switch_that_runs_within_the_margin_of_the_best_any_pl
     assert trial is not None and trial.plan is other
     trial.tried = [0.140] * TRIAL_FRAMES  # within 15% of the 132 ms before; 1.3x faster rates could beat it
     assert adapt.settled(trial) == settled
+
+
+def test_the_json_log_says_which_plans_on_the_servers_were_passed_over_and_why():
+    """A run whose look at the plans on the servers tried none of them says which and why in its JSON log (a rise
+    on the testbed left no trace of why the offload on the servers was not tried); events of no interest to the
+    log (the device's own bookkeeping) stay out of it."""
+    import io
+    import json
+
+    from deepco_device.run_report import Report
+
+    log = io.StringIO()
+    report = Report(0.1, 1, log)
+    why = "offload to s1: expected 150.0 ms (predicted 100.0, x1.50 as measured) vs 132.0 ms measured"
+    report.events += [{"event": "change", "what": ["antenna 0 10.05x faster"], "at": report.start + 1.0},
+                      {"event": "passed over", "why": "antenna 0 10.05x faster", "plans": [why],
+                       "at": report.start + 1.5},
+                      {"event": "not for the log", "at": report.start + 1.6}]
+    report.log_events()
+    logged = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert [e["event"] for e in logged] == ["change", "passed over"], logged
+    assert logged[1]["plans"] == [why] and logged[1]["at"] == pytest.approx(1.5)
