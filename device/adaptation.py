@@ -70,11 +70,6 @@ RECHECK_RISE = 10.0  # the rise of every antenna against which a recheck is wort
 # over a fallen radio run for seconds (on the testbed 18 s of a 10 Mbit/s radio took frames to 0.6-3.1 s each)
 PAYBACK_SECONDS = 30.0
 RATIO_RANGE = (0.5, 2.0)  # a known plan's measured / predicted outside this is taken as this: a plan of few frames
-# a known plan's measured / predicted is its own only while the rates it ran at hold: where a rate it uses has moved
-# by more than this since (`ratio_stale`), the cost model's raw prediction stands for it. On the testbed an offload
-# measured on a 10 Mbit/s radio, where the transfer was most of its frame, was never tried after a tenfold rise: its
-# ratio from then put it above a split's frames, which ran at 120-150 ms for 43 frames beside a fresh offload at 99
-RATIO_STALE = 2.0
 
 
 def _matters(factors: Iterable[float], margin: float) -> bool:
@@ -180,8 +175,6 @@ class Adaptation:
         # refitted to other rows is taken at its shape's ratio), for `ratio`
         self._measured = dict(measured or {})
         self._ratios: dict[str, float] = {}
-        self._ratio_factors: dict[str, dict[str, float]] = {}  # the factors each ratio was measured at (none: setup's)
-        self._bias_factors: dict[str, float] = {}  # the factors the running plan's last `_bias` frame ran at
         self.upload = upload or (lambda plan: 0)  # bytes a switch to a plan sends to the servers' models
         # plans made at setup with the servers down then, at the rates ``assumed`` for them (`joined`)
         self.ahead, self.assumed = list(ahead), dict(assumed or {})
@@ -204,7 +197,7 @@ class Adaptation:
         self._predicted: tuple[tuple, float] | None = None  # (the plan and factors it was for, seconds)
         self.warm = warm or (lambda plan: False)
         self.known = list(known)  # plans whose runners were made (calibration's finalists, plans left): `quick`
-        self.passed_over: list[str] = []  # why `quick` last tried none of them, per plan (the JSON log's `kept`)
+        self.passed_over: list[str] = []  # the plans `quick` last passed over, each with why (a JSON log event)
         self._unseen_stale = False  # an antenna changed: those the running plan leaves idle are probed (`candidate`)
         self._unconfirmed: set[int] = set()  # antennas whose change point the frames saw: probed first (`confirm`)
         self._servers_stale = False  # a server of the plan slowed: the others are probed (`probe_idle_servers`)
@@ -228,7 +221,6 @@ class Adaptation:
         if plan is not self._plan:  # another plan: another bias, and no change point has made it slower yet
             if self._plan is not None and len(self._bias) >= BIAS_LEAST:  # the plan left: its own ratio (`ratio`)
                 self._ratios[self._plan.describe()] = _within(statistics.median(self._bias), RATIO_RANGE)
-                self._ratio_factors[self._plan.describe()] = self._bias_factors
             self._plan, self.worse = plan, False
             self._frames_level.clear()
             self._latencies.clear()
@@ -237,7 +229,6 @@ class Adaptation:
         self._latencies.append(timing.latency)
         if self.latency and self._before is None:
             self._bias.append(timing.latency / self._running_seconds(plan))
-            self._bias_factors = dict(self.live.factors)
             self._steady.append(timing.latency)
         changes = self.live.observe(self.samples(plan, timing))
         if changes:  # the frames that made the change point ran at the new level: no part of the plan's bias
@@ -293,15 +284,6 @@ class Adaptation:
         if key not in self._ratios:
             self._ratios[key] = _within(self._measured[key] / self.seconds(plan, self.device.rates()), RATIO_RANGE)
         return self._ratios[key]
-
-    def ratio_stale(self, plan: StagedPlan) -> bool:
-        """Whether a rate ``plan`` uses (its antennas, its servers, the device) has moved by more than
-        RATIO_STALE since its `ratio` was measured: the shares of its frame that transfer and compute take have
-        changed, and with them the cost model's error for it."""
-        then = self._ratio_factors.get(plan.describe(), {})
-        keys = {"device", *(f"antenna {m}" for m in plan.antennas), *(f"server {s}" for s in plan.servers)}
-        return any(max(now / was, was / now) > RATIO_STALE
-                   for k in keys for was, now in [(then.get(k, 1.0), self.live.factor(k))])
 
     def _frames_now(self, running: StagedPlan) -> float | None:
         """The median latency of ``running``'s last frames (None: too few, or the frames measure something
@@ -573,7 +555,6 @@ class Adaptation:
         if same_plan(plan.to_dict(), running.to_dict()):
             return None
         new, ratio, frames = self.seconds(plan, rates), self.ratio(plan), self._frames_now(running)
-        ratio = None if ratio is None or self.ratio_stale(plan) else ratio
         compared = f"predicted {new * 1e3:.1f} vs {now * 1e3:.1f} ms"
         if ratio is not None and frames is not None:  # each side as it runs, as in `quick` (on the testbed after a
             # rise a split ran at 102 ms, its prediction 1.06 of its frames, and the offload, measured at 0.9 of
@@ -677,8 +658,6 @@ class Adaptation:
                                                                else "its models not on the servers"))
                 continue
             new, ratio = self.seconds(plan, rates), self.ratio(plan)
-            if ratio is not None and self.ratio_stale(plan):
-                ratio = None
             expected = new * (ratio or 1.0)
             if frames is not None and ratio is not None:  # both sides as measured: expected faster at all
                 why = (f"expected {expected * 1e3:.1f} ms (predicted {new * 1e3:.1f}, x{ratio:.2f} as measured) vs "

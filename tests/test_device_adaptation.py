@@ -836,34 +836,8 @@ def test_a_plan_on_the_servers_whose_own_ratio_says_it_runs_slower_than_the_runn
             assert found[0] is other and found[1] == "predicted 100.0 vs 132.0 ms"
         else:
             assert adapt.ratio(other) == pytest.approx(1.5)
-
-
-@pytest.mark.parametrize(("moved", "tried"), [(1.0, False), (1.6, False), (0.4, True)])
-def test_a_plan_on_the_servers_whose_ratio_was_measured_before_its_rates_moved_twofold_is_judged_on_its_prediction(
-        moved, tried):
-    """Seen on the testbed after every antenna rose tenfold: the offload on the servers had been measured on the
-    slow radio, where its transfer was most of its frame, and that ratio put it above a split's frames, which ran
-    at 120-150 ms for 43 frames beside a fresh offload at 99. A ratio holds while the rates the plan ran at hold:
-    where one it uses has moved more than twofold since (here its server, s1), its raw prediction against the
-    bar decides, and why the plans on the servers were passed over is kept for the log."""
-    from deepco.planning.staged import offload_plan_on
-
-    key = offload_plan_on("s1", 0).describe()
-    adapt, plan, other, lines = _offload_adaptation(0, measured={key: 0.150}, known=True)
-    predicted = adapt.seconds
-    adapt.seconds = lambda p, r, predicted=predicted, other=other: 0.100 if p is other else predicted(p, r)
-    for _ in range(12):
-        adapt.observe(plan, _frame_taking(0.132, 0.012))
-    adapt.live.measured("server s1", moved)  # s1's rate now, against setup's, which the ratio was measured at
-    assert adapt.ratio(other) == pytest.approx(1.5) and adapt.ratio_stale(other) == tried
-    rates = adapt.rates()
-    found = adapt.quick(plan, set(), rates, adapt.bar(plan, adapt.seconds(plan, rates)), adapt.margin)
-    assert (found is not None) == tried, (moved, found)
-    if tried:
-        assert found[0] is other and found[1] == "predicted 100.0 vs 132.0 ms" and not adapt.passed_over
-    else:
-        assert adapt.passed_over == [f"{other.brief()}: expected 150.0 ms (predicted 100.0, x1.50 as measured) vs "
-                                     "132.0 ms measured"]
+            assert adapt.passed_over == [f"{other.brief()}: expected 150.0 ms (predicted 100.0, x1.50 as measured) "
+                                         "vs 132.0 ms measured"]
 
 
 @pytest.mark.parametrize(("measured", "tried"), [(None, False), (0.096, True), (0.150, False)])
