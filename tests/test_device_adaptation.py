@@ -842,6 +842,36 @@ def test_a_plan_on_the_servers_whose_own_ratio_says_it_runs_slower_than_the_runn
                                          "vs 132.0 ms measured"]
 
 
+@pytest.mark.parametrize(("frames", "tried"), [(0.150, True), (0.130, False)])
+def test_a_plan_on_the_servers_whose_ratio_was_measured_at_far_other_rates_is_tried_within_the_margin(frames, tried):
+    """Seen on the testbed after every antenna rose tenfold: the offload on the servers, measured by calibration
+    at 0.97 of its predictions on the slow radio, was expected at 114 ms beside a split's frames at 111 and never
+    tried; it ran at 86 (0.73 of its prediction) when a search found it 43 frames later. A ratio measured at rates
+    more than twofold from the current ones is no longer the plan's ratio: the plan is tried where it is
+    expected within the margin above the frames. At the rates it was measured at, faster at all, as before."""
+    from deepco.planning.staged import offload_plan_on
+
+    key = offload_plan_on("s1", 0).describe()
+    adapt, plan, other, lines = _offload_adaptation(0, measured={key: 0.160}, known=True)  # ratio 1.0
+    for _ in range(12):
+        adapt.observe(plan, _frame_taking(frames, 0.012))
+    rates = adapt.rates()
+    assert adapt.quick(plan, set(), rates, adapt.bar(plan, adapt.seconds(plan, rates)), adapt.margin) is None
+    assert adapt.passed_over == [f"{other.brief()}: expected 160.0 ms (predicted 160.0, x1.00 as measured) vs "
+                                 f"{frames * 1e3:.1f} ms measured"]
+    adapt.live.measured("antenna 0", 1 / 1.9)  # within twofold of the rates it was measured at: as before
+    rates = adapt.rates()
+    assert adapt.quick(plan, set(), rates, adapt.bar(plan, adapt.seconds(plan, rates)), adapt.margin) is None
+    adapt.live.measured("antenna 0", 0.1)  # a probe read the antenna ten times faster
+    rates = adapt.rates()
+    found = adapt.quick(plan, set(), rates, adapt.bar(plan, adapt.seconds(plan, rates)), adapt.margin)
+    assert (found is not None) == tried, adapt.passed_over
+    if tried:  # 160 ms within 15% above frames at 150
+        assert found[0] is other and "its ratio measured at rates over 2x away: tried within the margin" in found[1]
+    else:  # 160 ms is more than 15% above 130
+        assert len(adapt.passed_over) == 1 and "over 2x away" in adapt.passed_over[0]
+
+
 @pytest.mark.parametrize(("measured", "tried"), [(None, False), (0.096, True), (0.150, False)])
 def test_the_plan_a_search_finds_is_expected_at_its_own_measured_ratio_against_the_running_plans_frames(
         measured, tried):
