@@ -682,7 +682,8 @@ class Adaptation:
                        f"{frames * 1e3:.1f} ms measured")
                 moved = self.ratio_moved(plan)
                 if moved:
-                    why += f" (its ratio measured at rates over {RATIO_HOLDS_WITHIN:g}x away: tried within the margin)"
+                    why += (f" (its ratio measured at rates over {RATIO_HOLDS_WITHIN:g}x away: within "
+                            f"{margin:.0%} above is enough)")
                 if expected >= frames * (1 + margin if moved else 1):
                     self.passed_over.append(f"{plan.brief()}: {why}")
                     continue
