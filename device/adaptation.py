@@ -660,9 +660,11 @@ class Adaptation:
         predicted 104 and measured at 0.84 of its predictions, was never tried; faster at all is enough, since
         both sides are measured and the trial costs no upload, only a few frames), or where its ratio was measured
         at rates far from the current ones (`ratio_moved`), expected within ``margin`` above them: the ratio has
-        moved by more than the margin (on the testbed after a tenfold rise the offload was expected at 114 ms,
-        0.97 of its prediction as calibration measured it on the slow radio, beside a split's frames at 111; it
-        ran at 86 when a search found it 43 frames later); else predicted below ``bar`` (`bar`) by ``margin``.
+        moved by more than the margin (on the testbed after a tenfold rise the offload, at 0.97 of its predictions
+        as calibration measured it on the slow radio, would have been expected at about 114 ms by the later
+        search's prediction of 117.5, beside a split measured at 111; it ran at 86 when that search found it 43
+        frames later; the run's log did not record the quick rule's own figures); else predicted below ``bar``
+        (`bar`) by ``margin``.
         None: no such plan."""
         frames = self._frames_now(running)
         best: tuple[float, StagedPlan, str] | None = None

@@ -845,8 +845,9 @@ def test_a_plan_on_the_servers_whose_own_ratio_says_it_runs_slower_than_the_runn
 @pytest.mark.parametrize(("frames", "tried"), [(0.150, True), (0.130, False)])
 def test_a_plan_on_the_servers_whose_ratio_was_measured_at_far_other_rates_is_tried_within_the_margin(frames, tried):
     """Seen on the testbed after every antenna rose tenfold: the offload on the servers, measured by calibration
-    at 0.97 of its predictions on the slow radio, was expected at 114 ms beside a split's frames at 111 and never
-    tried; it ran at 86 (0.73 of its prediction) when a search found it 43 frames later. A ratio measured at rates
+    at 0.97 of its predictions on the slow radio, was never tried (by a later search's prediction, expected at
+    about 114 ms beside a split measured at 111); it ran at 86 (0.73 of its prediction) when that search found it
+    43 frames later. A ratio measured at rates
     more than twofold from the current ones is no longer the plan's ratio: the plan is tried where it is
     expected within the margin above the frames. At the rates it was measured at, faster at all, as before."""
     from deepco.planning.staged import offload_plan_on
