@@ -295,8 +295,8 @@ class Adaptation:
         """Whether a rate has moved more than ``RATIO_HOLDS_WITHIN`` times either way since ``plan``'s `ratio` was
         measured (calibration's: at setup's rates)."""
         at = self._ratio_at.get(plan.describe(), {})
-        return any(max(f / b, b / f) > RATIO_HOLDS_WITHIN for k in set(at) | set(self.live.factors)
-                   for f, b in [(self.live.factor(k), at.get(k, 1.0))])
+        return any(abs(math.log(self.live.factor(k) / at.get(k, 1.0))) > math.log(RATIO_HOLDS_WITHIN)
+                   for k in set(at) | set(self.live.factors))
 
     def _frames_now(self, running: StagedPlan) -> float | None:
         """The median latency of ``running``'s last frames (None: too few, or the frames measure something
