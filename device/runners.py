@@ -43,10 +43,10 @@ from deepco_device.records import FrameResult, FrameTiming, ServerStep, StepTime
 from deepco.errors import UserError
 from deepco.partition.derive import Dims
 from deepco.planning.bands import NOT_A_SERVER
-from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on
+from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on, streamed
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, SplitJob, WrongAnswer
-from deepco.wire.split_jobs import job_request
+from deepco.wire.split_jobs import job_request, rest_message
 from deepco.wire.step_times import StepClock
 
 if TYPE_CHECKING:
@@ -441,13 +441,18 @@ class SplitRunner(StagedRunner):
         out = [(server, d) for server in plan.servers if server != DEVICE for d in parts["segments"]]
         return out + ([(plan.tail, parts["tail_bytes"])] if plan.tail is not None else [])
 
+    @property
+    def rests(self) -> list[tuple[int, int] | None]:
+        """Per participant, the rows of its window sent after its request (a streamed window), or None."""
+        return streamed(self.plan)
+
     def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
         """The SplitRequest of participant ``i`` for frame ``x`` under job id ``job`` (deepco.wire.split_jobs)."""
         plan = self.plan
         return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
                            windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
                            lookahead=plan.lookahead, tail=plan.servers.index(plan.tail) if plan.tail else None,
-                           tail_model=self.tail_name, parts=plan.overlap)
+                           tail_model=self.tail_name, parts=plan.overlap, rest=self.rests[i])
 
     def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
@@ -485,16 +490,19 @@ class SplitRunner(StagedRunner):
 
     def _sender(self, m: int, participants: list[int], job: str, x: np.ndarray, start: float, sends: _Sends,
                 calls: contextlib.ExitStack) -> None:
-        """Send ``participants`` their inputs over antenna ``m``, one after another."""
-        dev, plan = self.device, self.plan
-        for i in participants:
-            client = dev.client(self.index[plan.servers[i]], m)
-            began = time.perf_counter()
-            sends.send_start[i] = began - start
-            try:
+        """Send ``participants`` their inputs over antenna ``m``, one after another: every request first, then
+        the rest of each streamed window in the same order (so that every server starts on its first rows
+        before any rest holds the antenna). The first failure ends the antenna's sends."""
+        dev, plan, rests = self.device, self.plan, self.rests
+        try:
+            for i in participants:
+                client = dev.client(self.index[plan.servers[i]], m)
+                began = time.perf_counter()
+                sends.send_start[i] = began - start
                 if dev.pace:  # hold the antenna for as long as these bytes take at its bandwidth (EMULATED)
                     a, b = plan.windows[0][i]
-                    paced(began, (b - a) * self.row_bytes, dev.measured.antenna_bytes_per_second[m])
+                    paced(began, ((rests[i] or (b, b))[0] - a) * self.row_bytes,
+                          dev.measured.antenna_bytes_per_second[m])
                 handle = client.start_split(self.request(job, i, x), timeout=self.timeout)
                 self._inflight.add(handle.call, plan.servers[i])
                 calls.callback(self._inflight.discard, handle.call)
@@ -502,13 +510,20 @@ class SplitRunner(StagedRunner):
                     sends.streams[i] = handle
                 handle.received()
                 sends.received_at[i] = time.perf_counter() - start
-            except ServerError as exc:
-                sends.failure.append(exc)
-                return
-            except BaseException as exc:  # noqa: BLE001 - the frame's thread raises it
-                sends.crashed.append(exc)
-                return
-            sends.sent_at[i] = time.perf_counter() - start
+                sends.sent_at[i] = time.perf_counter() - start
+            for i in participants:
+                if (rest := rests[i]) is None:
+                    continue
+                if dev.pace:
+                    paced(time.perf_counter(), (rest[1] - rest[0]) * self.row_bytes,
+                          dev.measured.antenna_bytes_per_second[m])
+                dev.client(self.index[plan.servers[i]], m).send_rows(rest_message(job, i, x, rest),
+                                                                     timeout=self.timeout)
+                sends.sent_at[i] = time.perf_counter() - start
+        except ServerError as exc:
+            sends.failure.append(exc)
+        except BaseException as exc:  # noqa: BLE001 - the frame's thread raises it
+            sends.crashed.append(exc)
 
     def _own_band(self, x: np.ndarray, start: float, results: dict[int, tuple[dpb.SplitResult, float]]) -> Any:
         """The device's band, computed while the servers compute theirs."""

@@ -13,6 +13,11 @@ exactly when it is sent. A job whose levels have several tensors (a U-Net's or a
 included, exchanges each tensor's halo rows (RowsMessage.tensor) before the segment that reads it, and returns
 its band of every tensor of the last level by name (or sends them to the server that gathers them).
 
+With lookahead the device may stream the window: the SplitRun then carries the window's first rows and names
+the rest (SplitRequest.input_rest), which the device sends after it as a peer would (level 0, this server's
+own index, on a SplitExchange stream); the first segment's parts are then sub-bands, the first computed
+while the rest is in flight, and the rest is taken when a run first needs it, like a halo.
+
 Peers may send rows before this server has received its own SplitRun (the device sends the image bands
 one after another over an antenna), so a mailbox is created by whichever comes first; one never claimed
 by a SplitRun expires. Memory and threads are bounded: at most MAX_JOBS jobs run at once, at most
@@ -315,6 +320,9 @@ class Job:
     # per level, this server's segment runs (SplitLevel.parts: interior first, then the borders as the halo
     # lands), each ((rows), (window), crop); an empty list runs the segment once on its window
     parts: list[list[tuple[tuple[int, int], tuple[int, int], int]]] = field(default_factory=list)
+    # lookahead: the rows of this server's window the device sends after the request (SplitRequest.input_rest),
+    # taken like a peer's rows (level 0, this server's own index) when a run of segment 1 first needs them
+    rest: tuple[int, int] | None = None
 
     def runs(self, j: int) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
         """The runs of segment ``j`` here: its parts, or one run on the whole window."""
@@ -363,7 +371,7 @@ class Job:
         feeders = {peer for level in range(len(self.models)) for peer in self.receives(level)}
         if self.gather_to == self.me:
             feeders |= set(range(len(self.peers))) - {self.me}
-        return 1 + len(feeders)
+        return 1 + len(feeders) + (self.rest is not None)  # the device's stream of the window's rest
 
 
 class Held:
@@ -397,6 +405,13 @@ class Held:
 
 
 TensorRows = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]  # band, crop, window per server
+
+
+def _sender(job: Job, level: int, peer: int) -> str:
+    """Who sends ``job`` its rows of ``level`` from ``peer``: a peer server, or the device (its window's rest)."""
+    if level == 0 and peer == job.me:
+        return "the device (the rest of this server's window)"
+    return f"peer {peer} ({job.peers[peer]})"
 
 
 def _interval(r: dpb.RowRange) -> tuple[int, int]:
@@ -449,6 +464,15 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
     except TensorError as exc:
         raise invalid(str(exc)) from None
     a, b = windows[1][me] if request.lookahead else bands[0][me]
+    rest = _interval(request.input_rest) if request.HasField("input_rest") else None
+    if rest is not None:
+        if not request.lookahead or tables:
+            raise invalid("SplitRun: input_rest streams a window: only for a job with lookahead and one tensor per "
+                          "level")
+        if not a < rest[0] < rest[1] == b:
+            raise invalid(f"SplitRun: input_rest [{rest[0]}, {rest[1]}) must be the last rows of server {me}'s window "
+                          f"[{a}, {b}), leaving some to the input")
+        b = rest[0]
     if start != a or image.shape[2] != b - a:
         what = "needs the window" if request.lookahead else "owns"
         raise invalid(f"SplitRun: input holds rows [{start}, {start + image.shape[2]}) of the image, but server "
@@ -466,7 +490,8 @@ def parse_request(request: dpb.SplitRequest, registry: Registry, owner: str = ""
             raise invalid(f"SplitRun: tail model {tail.name!r} must have one input, or read only tensors of the "
                           "last level")
     result = Job(job, me, peers, models, bands, windows, crops, image, timeout, bool(request.lookahead), gather_to,
-                 tail, tables, [_parts(level, me, bands[j], windows[j], j) for j, level in enumerate(request.levels)])
+                 tail, tables, [_parts(level, me, bands[j], windows[j], j) for j, level in enumerate(request.levels)],
+                 rest)
     talks_to = {k for level in range(len(models)) for k in (*result.sends(level), *result.receives(level))}
     if gather_to is not None:
         talks_to |= {gather_to} if gather_to != me else set(range(len(peers))) - {me}
@@ -672,9 +697,11 @@ class SplitJobs:
             clock.since("send", sending, j)
             result.messages_sent += 1
             result.bytes_sent += piece.nbytes
-        if j == 1 and job.lookahead:
-            own = job.windows[j][job.me]  # the device sent the whole window
-        held = Held(job, level, own, band)
+        pending = None
+        if j == 1 and job.lookahead:  # the device sent the window, or its first rows with the rest to follow
+            own = (job.windows[j][job.me][0], job.windows[j][job.me][0] + band.shape[2])
+            pending = {job.me: job.rest} if job.rest else {}
+        held = Held(job, level, own, band, pending)
         def take(peer: int, rows: tuple[int, int]) -> np.ndarray:
             return self._take(job, level, peer, rows, band, outgoing, active, result)
 
@@ -844,7 +871,7 @@ class SplitJobs:
         array, start = self._wait(job, level, peer, outgoing, active, tensor)
         if start != a or array.shape[2] != b - a or array.shape[:2] != like.shape[:2] \
                 or array.shape[3] != like.shape[3]:
-            raise invalid(f"job {job.id!r}: peer {peer} ({job.peers[peer]}) sent rows [{start}, "
+            raise invalid(f"job {job.id!r}: {_sender(job, level, peer)} sent rows [{start}, "
                           f"{start + array.shape[2]}) shape {list(array.shape)} of level {level}, expected rows "
                           f"[{a}, {b})")
         result.messages_received += 1
@@ -866,5 +893,5 @@ class SplitJobs:
                 if (err := out.error()) is not None:
                     raise err
             if time.monotonic() > until:
-                raise DeadlineExceeded(f"split job {job.id!r}: no rows of level {level} {tensor[:80]} from peer {peer} "
-                                       f"({job.peers[peer]}) within {job.timeout:g}s")
+                raise DeadlineExceeded(f"split job {job.id!r}: no rows of level {level} {tensor[:80]} from "
+                                       f"{_sender(job, level, peer)} within {job.timeout:g}s")

@@ -149,6 +149,17 @@ def two_servers():
 
 
 @pytest.fixture(scope="module")
+def three_server_processes():
+    """Three `deepco serve` processes for one test module (one thread each, room for every plan's models)."""
+    import contextlib
+
+    from test_server_support import serve_process
+
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serve_process("--threads", "1", "--max-models", "64")) for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
 def two_servers_cluster(two_servers, tmp_path_factory):
     """A cluster file naming `two_servers` s0 and s1."""
     path = tmp_path_factory.mktemp("cluster") / "cluster.toml"

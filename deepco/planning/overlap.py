@@ -12,9 +12,14 @@ built, uploaded or held; each part's window and crop come from the exact row ana
 an ORT run per part and the border parts' recomputed rows of the segment's inner layers (their FLOPs are in
 the windows, so the cost model counts them).
 
+The first segment of a plan with lookahead has no halo to wait for, but its window crosses the radio: there
+the parts are *sub-bands* in row order (`stream_parts`). The device sends the rows the first one reads in the
+job's request and the rest of the window after it (`rest`; every participant's first message on an antenna
+goes before any rest), so a server computes its first sub-band while the rest of its window is on the air.
+
 A plan carries the choice as data (`StagedPlan.overlap`): per level and participant, its parts in run order,
 each ((rows), (window), crop); an empty list runs the segment once on its whole window. `finish` is the one
-formula for when a stage ends, with or without parts.
+formula for when a stage ends, with or without parts: a halo and the rest of a streamed window are alike to it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ WindowOf = Callable[[int, int], object]  # output rows [a, b) -> a Window (input
 # One more ORT run of a stage (Python, the call, small-tensor inefficiency) on top of the step's fixed cost.
 PART_OVERHEAD = 0.002
 MAX_PARTS = 3  # a segment's runs on one server: the interior, the border above, the border below
+STREAM_SHARES = (1 / 3, 1 / 2)  # the first sub-band's share of a streamed band, as the planner tries them
 
 
 def interior(window: WindowOf, band: Interval, own: Interval) -> Interval | None:
@@ -70,6 +76,26 @@ def parts(window: WindowOf, band: Interval, own: Interval) -> list[Part]:
             w = window(*rows)
             out.append((rows, w.input_rows, w.crop[0]))
     return out
+
+
+def stream_parts(window: WindowOf, band: Interval, share: float) -> list[Part]:
+    """``band``'s first segment run as two sub-bands in row order, the first over ``share`` of its rows (the
+    device streams its window: see the module doc); [] where either would be empty."""
+    a, b = band
+    c = a + round((b - a) * share)
+    if not a < c < b:
+        return []
+    return [(rows, w.input_rows, w.crop[0]) for rows in ((a, c), (c, b)) for w in [window(*rows)]]
+
+
+def rest(parts: Sequence[Part], window: Interval) -> Interval | None:
+    """The rows of ``window`` (a participant's window of the image, its first segment's with lookahead) that
+    follow its first message where that segment runs in ``parts``: those after the first part's window; None
+    when nothing follows (one run, or a first part that reads the whole window)."""
+    if len(parts) < 2:
+        return None
+    m = parts[0][1][1]
+    return (m, window[1]) if window[0] < m < window[1] else None
 
 
 def plan_parts(window_of: Callable[[int], WindowOf], bands: Sequence[Sequence[Interval]],

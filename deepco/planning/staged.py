@@ -136,6 +136,8 @@ class StagedPlan:
         stages = " | ".join(self.levels)
         where = f"tail on {self.tail}" if self.tail else "tail on the device"
         how = "lookahead" if self.lookahead else "bands exchanged from the image on"
+        if any(streamed(self)):
+            how += ", windows streamed in two sub-bands"
         if self.kind == "scales":
             return (f"{self.algorithm}: split across scales over {who}, stages ending at levels {stages} "
                     f"({len(self.tensors[-1]) if self.tensors else 0} tensors at the last), {how}, {where}")
@@ -278,24 +280,41 @@ def tables(costs: CostModel, levels: Sequence[str], weights: Sequence[float],
     return bands, windows, crops
 
 
-def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates) -> list[float]:
-    """When each participant's input has arrived: the device's CPU marshals messages one at a time in send
-    order (position, then antenna), each antenna sends its messages one after another."""
+def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates,
+                   follow: Sequence[int] = ()) -> tuple[list[float], list[float]]:
+    """When each participant's first message has arrived, and when its whole window has: the device's CPU
+    marshals messages one at a time in send order (position, then antenna), each antenna sends its messages
+    one after another. ``sizes``: each participant's first message; ``follow``: the bytes of its window that
+    follow it (a streamed window, `streamed`; none by default), sent once every first message has gone."""
+    follow = list(follow) or [0] * len(plan.servers)
     cpu = 0.0
     free = [0.0] * len(rates.antenna_bytes_per_second)
     arrived = [0.0] * len(plan.servers)
-    for i in sorted(range(len(plan.servers)), key=lambda i: (plan.order[i], plan.antennas[i])):
-        if plan.servers[i] == DEVICE:
-            continue
-        cpu += sizes[i] * rates.device_seconds_per_byte
+    whole = [0.0] * len(plan.servers)
+    order = [i for i in sorted(range(len(plan.servers)), key=lambda i: (plan.order[i], plan.antennas[i]))
+             if plan.servers[i] != DEVICE]
+    for i, nbytes, times in [(i, sizes[i], arrived) for i in order] + [(i, follow[i], whole) for i in order
+                                                                        if follow[i]]:
+        cpu += nbytes * rates.device_seconds_per_byte
         m = plan.antennas[i]
         start = max(free[m], cpu)
-        free[m] = start + sizes[i] / rates.antenna_bytes_per_second[m]
-        arrived[i] = free[m] + rates.request_overhead
-    for i, name in enumerate(plan.servers):  # the device computes its own band once it has sent the others'
-        if name == DEVICE:
+        free[m] = start + nbytes / rates.antenna_bytes_per_second[m]
+        times[i] = free[m] + rates.request_overhead
+    for i, name in enumerate(plan.servers):
+        if name == DEVICE:  # the device computes its own band once it has sent the others'
             arrived[i] = cpu
-    return arrived
+        if not follow[i]:
+            whole[i] = arrived[i]
+    return arrived, whole
+
+
+def streamed(plan: StagedPlan) -> list[Interval | None]:
+    """Per participant, the rows of its window of the image that the device sends after its first message (its
+    first segment run in sub-bands, `deepco.planning.overlap.rest`), or None: sent whole."""
+    if plan.kind != "split" or not plan.lookahead or not plan.overlap:
+        return [None] * len(plan.servers)
+    return [None if s == DEVICE else overlapping.rest(_parts(plan, 1, i), plan.windows[0][i])
+            for i, s in enumerate(plan.servers)]
 
 
 def steps(plan: StagedPlan) -> int:
@@ -342,7 +361,7 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
         return {"frame": sum(frames) / len(frames), "per_server": frames}
     if plan.kind == "offload":
         name, m = plan.servers[0], plan.antennas[0]
-        arrive = _send_schedule(plan, [costs.input_bytes], rates)[0]
+        arrive = _send_schedule(plan, [costs.input_bytes], rates)[0][0]
         compute = costs.total_flops / rates.server_flops_per_second[name] + rates.step_overhead
         back = out_bytes / rates.antenna_bytes_per_second[m] + out_bytes * rates.device_seconds_per_byte
         return {"frame": arrive + compute + back, "transfer": arrive, "compute": compute, "return": back}
@@ -351,13 +370,15 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     n = len(plan.servers)
     names: list[str | None] = [None, *plan.levels]
     speed = [rates.speed(s) for s in plan.servers]
-    sizes = [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]]
-    arrived = _send_schedule(plan, sizes, rates)
-    done = list(arrived)
+    row0 = costs.row_bytes(None)
+    follow = [0 if r is None else (r[1] - r[0]) * row0 for r in streamed(plan)]
+    sizes = [(b - a) * row0 - f for (a, b), f in zip(plan.windows[0], follow, strict=True)]
+    first, arrived = _send_schedule(plan, sizes, rates, follow)
+    done = list(first)
     link, hop = rates.peer_bytes_per_second, rates.peer_overhead
     stages = []
     for j in range(1, len(names)):
-        halo = [0.0] * n
+        halo = list(arrived) if j == 1 else [0.0] * n  # a streamed window's rest, to the first stage, is a halo
         if j > 1 or not plan.lookahead:
             row = costs.row_bytes(names[j - 1])
             for i in range(n):
@@ -430,7 +451,7 @@ def _predict_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     """`predict` of a plan across scales (deepco.planning.scales): windows of the image sent, stages run with
     each tensor's halo exchanged between them, then every tensor's bands returned to the device, which runs
     the rest, or gathered on the ``tail`` participant, which runs it there."""
-    arrived = _send_schedule(plan, [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]], rates)
+    arrived = _send_schedule(plan, [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]], rates)[0]
     speeds = [rates.speed(s) for s in plan.servers]
     rb = costs.tensor_row_bytes
     ends = scales.stage_ends(arrived, _scales_work(plan, costs), plan.tensors, speeds, rb, rates.peer_bytes_per_second,
@@ -602,8 +623,9 @@ def _finish(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
 
 def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Sequence[str],
                lookahead: bool, tail: str | None, weights: Sequence[float] | None = None,
-               algorithm: str = "auto") -> StagedPlan | None:
-    """A split plan over ``chosen`` (band order) at ``levels``; None where a level has too few rows."""
+               algorithm: str = "auto", stream: bool = True) -> StagedPlan | None:
+    """A split plan over ``chosen`` (band order) at ``levels``; None where a level has too few rows. Its stages
+    run in parts, and with lookahead its windows stream in sub-bands (``stream``), where predicted faster."""
     weights = list(weights or [rates.speed(s) for s in chosen])
     try:
         bands, windows, crops = tables(costs, levels, weights, lookahead)
@@ -614,11 +636,16 @@ def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Se
     plan = _finish(StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
                               levels=list(levels), bands=bands, windows=windows, crops=crops, lookahead=lookahead,
                               tail=tail), costs, rates)
+    best = plan
     parted = in_parts(plan, costs)
-    if not parted.overlap:
-        return plan
-    parted = _finish(parted, costs, rates)  # kept only where the model says it pays
-    return parted if parted.predicted < plan.predicted else plan
+    if parted.overlap:
+        parted = _finish(parted, costs, rates)  # kept only where the model says it pays
+        best = parted if parted.predicted < best.predicted else best
+    if lookahead and stream:  # the window streamed in two sub-bands: where and whether the model says it pays
+        trials = [_finish(t, costs, rates) for share in overlapping.STREAM_SHARES
+                  if (t := streaming(best, costs, share)) is not best]
+        best = min([best, *trials], key=lambda p: p.predicted)
+    return best
 
 
 def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
@@ -628,6 +655,26 @@ def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
     parts = overlapping.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), plan.bands,
                                    plan.windows, plan.lookahead, plan.servers, DEVICE)
     return replace(plan, overlap=parts if any(p for level in parts for p in level) else [])
+
+
+def streaming(plan: StagedPlan, costs: CostModel, share: float) -> StagedPlan:
+    """``plan`` (a split with lookahead) with each server's first segment run in two sub-bands, the first over
+    ``share`` of its band, and its window streamed (`deepco.planning.overlap.stream_parts`), not re-predicted;
+    ``plan`` itself where no server's band can be."""
+    names: list[str | None] = [None, *plan.levels]
+
+    def window(a: int, b: int):
+        return costs.window(names[0], names[1], a, b)
+
+    first = []
+    for i, s in enumerate(plan.servers):
+        mine = [] if s == DEVICE else overlapping.stream_parts(window, plan.bands[1][i], share)
+        first.append(mine if overlapping.rest(mine, plan.windows[0][i]) else [])
+    if not any(first):
+        return plan
+    levels = [list(level) for level in plan.overlap] or [[[] for _ in plan.servers] for _ in plan.bands]
+    levels[1] = first
+    return replace(plan, overlap=levels)
 
 
 def scales_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], weights: Sequence[float] | None = None,
@@ -752,9 +799,9 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
     return out
 
 
-def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
+def refine(plan: StagedPlan, costs: CostModel, rates: Rates, stream: bool = True) -> StagedPlan:
     """Re-weight the bands so that the participants finish their work together (transfers are staggered,
-    so an early receiver can take more rows); keeps the best predicted plan."""
+    so an early receiver can take more rows); keeps the best predicted plan (`split_plan`'s ``stream``)."""
     best = plan
     weights = [rates.speed(s) for s in plan.servers]
     for _ in range(REFINE_STEPS):
@@ -763,7 +810,7 @@ def refine(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
         if not stages:
             break
         trial_plan = split_plan(costs, rates, best.servers, best.levels, best.lookahead, best.tail, weights,
-                                best.algorithm)
+                                best.algorithm, stream)
         if trial_plan is None:
             break
         # the first stage's finish per participant: arrival + its compute
@@ -866,7 +913,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
                     continue
                 for levels in chains:
                     pace()
-                    plan = split_plan(costs, rates, chosen, levels, lookahead, tail, algorithm=algorithm)
+                    plan = split_plan(costs, rates, chosen, levels, lookahead, tail, algorithm=algorithm,
+                                      stream=shapes == "all")  # the paper's shapes send windows whole
                     if plan is not None:
                         candidates.append(plan)
                     if shapes == "all" and lookahead and tail is None and len(levels) == 1:
@@ -883,7 +931,7 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
         candidates.sort(key=lambda p: p.predicted)
     else:
         candidates.sort(key=lambda p: -throughput(p, costs, rates))
-    refined = {"split": lambda p: refine(p, costs, rates) if p.lookahead else p,
+    refined = {"split": lambda p: refine(p, costs, rates, shapes == "all") if p.lookahead else p,
                "scales": lambda p: refine_scales(p, costs, rates)}
     top = [refined.get(p.kind, lambda p: p)(p) for p in candidates[:5]]
     key = (lambda p: p.predicted) if objective == "latency" else (lambda p: -throughput(p, costs, rates))

@@ -111,7 +111,8 @@ class DeepcoServiceServicer:
 
     def SplitExchange(self, request_iterator, context):
         """Server to server: one stream per split job from a server to each server it feeds, one message per level
-        with the rows that server needs from the sender's band; answered once the stream ends.
+        with the rows that server needs from the sender's band; answered once the stream ends. The device uses it
+        too, for the rest of a streamed window (SplitRequest.input_rest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

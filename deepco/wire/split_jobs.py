@@ -72,14 +72,16 @@ def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers
                 bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
                 crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
                 tail: int | None, tail_model: str, tensors: Sequence[LevelTables] = (),
-                parts: Sequence[Sequence[Sequence[Part]]] = ()) -> dpb.SplitRequest:
+                parts: Sequence[Sequence[Sequence[Part]]] = (), rest: Interval | None = None) -> dpb.SplitRequest:
     """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
     (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
     participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers.
     ``tensors``: per level, its tensors' tables when levels have several (a plan across scales: bands and
     windows are then image rows).
     ``parts``: per level and participant, its segment's runs (deepco.planning.overlap); only the participant's
-    own travel, the others' lists are left empty."""
+    own travel, the others' lists are left empty.
+    ``rest``: the rows of the participant's window that follow the request (`rest_message`), where its window
+    is streamed; the request then carries the rows above them."""
     levels = []
     for j in range(len(bands)):
         level = dpb.SplitLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
@@ -102,5 +104,16 @@ def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers
                                peers=list(peers), levels=levels, exchange_timeout_seconds=exchange_timeout,
                                lookahead=lookahead, gather_to=gather_field(tail),
                                tail_model=tail_model if tail == index else "")
+    if rest is not None:
+        b = rest[0]
+        request.input_rest.start, request.input_rest.stop = rest
     encode_rows(image[:, :, a:b, :], a, into=request.input)  # the window's rows copied once, into the request
     return request
+
+
+def rest_message(job_id: str, index: int, image: np.ndarray, rest: Interval) -> dpb.RowsMessage:
+    """The rows ``rest`` of the image that follow participant ``index``'s request of job ``job_id`` (its window
+    streamed: SplitRequest.input_rest), as the device sends them on a SplitExchange stream."""
+    message = dpb.RowsMessage(job_id=job_id, sender=index, level=0)
+    encode_rows(image[:, :, rest[0]:rest[1], :], rest[0], into=message.rows)
+    return message
