@@ -61,7 +61,7 @@ def point_table(point: dict) -> str:
     b = point["bound"]
     lines.append("")
     lines.append(f"Physical bound: latency >= {ms(b['latency'])} ms, fps <= {b['fps']:.2f}.")
-    for name in ("auto", "auto-throughput"):
+    for name in ("auto", "auto-whole", "auto-throughput"):
         if name in algos:
             plans = sorted(set(algos[name]["plan_text"]))
             lines.append(f"`{name}` ran: " + "; ".join(f"`{p}`" for p in plans) + ".")

@@ -392,7 +392,7 @@ def table(point: dict) -> str:
     if b.get("timed_latency"):
         lines.append("p50 / timed bound (median of the repeats): " + ", ".join(
             f"{name} {r['p50_over_timed_bound']:.2f}" for name, r in algos.items() if r.get("p50_over_timed_bound")))
-    for name in ("auto", "auto-throughput"):
+    for name in ("auto", "auto-whole", "auto-throughput"):
         if name in algos:
             lines.append(f"{name} plan: {algos[name]['plan_text'][0]}")
     lines += deadline_lines(point)

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +41,16 @@ from deepco import modelcard
 from deepco.cluster import load_cluster
 from deepco.errors import UserError
 from deepco.parsing import parse_size
-from deepco.planning.staged import pipelined
+from deepco.planning.staged import pipelined, predict, unstreamed
 
 WARMUP_FRAMES = 2
 LIVE_SPEEDUP = 2.0  # --live-frames plays its source this many times faster than the engine's own rate
 LIVE_PROBE_FRAMES = 30  # frames that measure the engine's own rate before the live runs
 LOADED, GO = "deepco-bench: model loaded", "go"  # the --handshake lines
 MODNN = ("modnn-sa", "modnn-ma")
-ALL = ("local", "offload", "round-robin", "auto", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
+# auto-whole: auto's plan with its windows sent whole (its first stage run once): what streaming the windows in
+# sub-bands is worth, side by side (the same as auto where calibration chose a plan that streams nothing)
+ALL = ("local", "offload", "round-robin", "auto", "auto-whole", "auto-throughput", *ROW_ALGORITHMS, *MODNN)
 
 
 def photo_pixels(height: int, width: int, how: Preprocessing = IMAGENET) -> np.ndarray:
@@ -190,11 +193,15 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 raise UserError("the bench did not confirm the device's CPU quota")
         device.setup()
         planner = StagedPlanner(device)  # the paper's plans are predicted on the same (calibrated) rates as auto's
-        auto = planner.calibrate("latency") if "auto" in algorithms else None  # fits the step overhead first
+        calibrated = {"auto", "auto-whole"} & set(algorithms)
+        auto = planner.calibrate("latency") if calibrated else None  # fits the step overhead first
         plans = {"planner": planner, "local": planner.named("local"), "offload": planner.named("offload"),
                  "round-robin": planner.named("round-robin"), "auto": auto,
                  "auto-throughput": planner.best("throughput")}
-        for name in ("auto", "auto-throughput"):
+        if auto is not None:
+            whole = unstreamed(auto)
+            plans["auto-whole"] = replace(whole, predicted=predict(whole, planner.costs, planner.rates())["frame"])
+        for name in ("auto", "auto-whole", "auto-throughput"):
             if name in algorithms:
                 log(f"{name} plan: {plans[name].describe()} (predicted {plans[name].predicted * 1e3:.1f} ms, "
                     f"{planner.fps(plans[name]):.2f} fps)")

@@ -657,6 +657,16 @@ def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
     return replace(plan, overlap=parts if any(p for level in parts for p in level) else [])
 
 
+def unstreamed(plan: StagedPlan) -> StagedPlan:
+    """``plan`` with its windows sent whole (its first stage run once), not re-predicted; ``plan`` itself where
+    it streams none."""
+    if not any(streamed(plan)):
+        return plan
+    levels = [list(level) for level in plan.overlap]
+    levels[1] = [[] for _ in plan.servers]
+    return replace(plan, overlap=levels if any(p for level in levels for p in level) else [])
+
+
 def streaming(plan: StagedPlan, costs: CostModel, share: float) -> StagedPlan:
     """``plan`` (a split with lookahead) with each server's first segment run in two sub-bands, the first over
     ``share`` of its band, and its window streamed (`deepco.planning.overlap.stream_parts`), not re-predicted;
