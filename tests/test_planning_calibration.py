@@ -376,3 +376,28 @@ def test_calibration_sizes_the_bands_on_the_servers_speeds_the_frames_measured(c
     else:
         assert got.balance == {}
         assert took > 1.03 * fastest, (got.plan.describe(), took, fastest)
+
+
+def test_a_streamed_plan_that_measures_slower_than_its_twin_sending_whole_windows_loses_the_runoff(costs):
+    """Frames timed as the cost model predicts them, but each window streamed in sub-bands costs 10 ms more (a
+    weak camera's message per server that the model does not charge): the plan ranked first streams, its twin
+    that sends its windows whole is timed beside it, and calibration ends on a plan that streams nothing."""
+    from deepco.planning.calibration import calibrate
+    from deepco.planning.staged import streamed, unstreamed
+
+    r = Rates({"s0": 4e9, "s1": 1e9}, [3e5, 3e5], 0.001, 1e8, 1e8, 0.0005)  # slow radios: streaming predicted to pay
+
+    def seconds_of(plan):
+        return predict(plan, costs, r)["frame"] + 0.01 * sum(x is not None for x in streamed(plan))
+
+    time_plan, release, candidates, _, _ = _fake_bench(costs, seconds_of)
+
+    def with_offloads(rr, objective, shapes):  # the contenders as the device's planner gives them
+        return [offload_plan(costs, rr, "s0")] if shapes == "offload" else candidates(rr, objective, shapes)
+
+    first = candidates(r, "latency", "all")[0]
+    assert any(streamed(first)), first.describe()
+    got = calibrate(costs, r, with_offloads, time_plan, release, log=lambda _: None, settle=0)
+    timed = {t["plan"] for t in got.trials}
+    assert first.describe() in timed and unstreamed(first).describe() in timed
+    assert not any(streamed(got.plan)), got.plan.describe()
