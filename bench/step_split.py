@@ -18,8 +18,9 @@ from deepco.errors import UserError
 from deepco.timelines import by_level, by_level_text, gantt, split_text, step_split
 
 
-def records_of(path: str) -> list[dict]:
-    """The frame records in ``path``: JSON lines of a run's log, or a bench document's recorded timelines."""
+def records_of(path: str, algorithm: str = "auto") -> list[dict]:
+    """The frame records in ``path``: JSON lines of a run's log, or a bench document's recorded timelines of
+    ``algorithm``."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -27,9 +28,9 @@ def records_of(path: str) -> list[dict]:
     try:
         if text.lstrip().startswith("{\n") or text.lstrip().startswith('{"points"'):
             document = json.loads(text)
-            return [{"staged": t, "plan": auto.get("plan_text", "")} for p in document.get("points", [])
-                    for r in p.get("runs", []) for auto in [r.get("algorithms", {}).get("auto", {})]
-                    for t in auto.get("timelines", [])]
+            return [{"staged": t, "plan": entry.get("plan_text", "")} for p in document.get("points", [])
+                    for r in p.get("runs", []) for entry in [r.get("algorithms", {}).get(algorithm, {})]
+                    for t in entry.get("timelines", [])]
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not a JSON log ({exc.msg}, line {exc.lineno})") from None
@@ -40,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log", help="a --json-log file (JSON lines) or a deepco bench --json document")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the frame of median latency as a Gantt chart")
+    p.add_argument("--algorithm", default="auto", help="of a bench document, whose frames (default auto)")
     p.add_argument("--levels", action="store_true",
                    help="also each server's median compute and wait for peers' rows at every level")
     args = p.parse_args(argv)
     try:
-        records = [r for r in records_of(args.log) if r.get("staged") and not r.get("error")]
+        records = [r for r in records_of(args.log, args.algorithm) if r.get("staged") and not r.get("error")]
         split = step_split(records)
         if not split["server_steps"]:
             raise UserError(f"{args.log}: no frame with server step timelines (a split or offload plan's run)")

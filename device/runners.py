@@ -511,14 +511,17 @@ class SplitRunner(StagedRunner):
                 handle.received()
                 sends.received_at[i] = time.perf_counter() - start
                 sends.sent_at[i] = time.perf_counter() - start
+            acknowledged = {}
             for i in participants:
                 if (rest := rests[i]) is None:
                     continue
                 if dev.pace:
                     paced(time.perf_counter(), (rest[1] - rest[0]) * self.row_bytes,
                           dev.measured.antenna_bytes_per_second[m])
-                dev.client(self.index[plan.servers[i]], m).send_rows(rest_message(job, i, x, rest),
-                                                                     timeout=self.timeout)
+                acknowledged[i] = dev.client(self.index[plan.servers[i]], m).send_rows(
+                    rest_message(job, i, x, rest), timeout=self.timeout)
+            for i, ack in acknowledged.items():
+                ack()
                 sends.sent_at[i] = time.perf_counter() - start
         except ServerError as exc:
             sends.failure.append(exc)

@@ -102,6 +102,15 @@ def test_a_split_frames_steps_carry_timelines_within_their_wall_time_and_draw_a_
             assert spent["halo"] >= 0
     slowest = sum(max(table[n][level]["compute"] for n in table if level in table[n]) for level in (1, 2, 3))
     assert f"the slowest server's compute, summed over levels: {slowest * 1e3:.1f} ms" in done.stdout
+    # a bench document: the frames of the algorithm named (auto by default), not another's
+    document = {"points": [{"runs": [{"algorithms": {
+        "auto": {"timelines": [r["staged"] for r in records[:1]]},
+        "auto-whole": {"timelines": [r["staged"] for r in records]}}}]}]}
+    (tmp_path / "bench.json").write_text(json.dumps(document))
+    for flags, frames in (([], 1), (["--algorithm", "auto-whole"], 3)):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "step_split.py"), str(tmp_path / "bench.json"),
+                               "--levels", *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith(f"{frames} frames"), done
 
 
 def test_step_split_refuses_a_missing_log_in_one_line(tmp_path):

@@ -364,16 +364,22 @@ class InferenceClient:
         return SplitJob(self.address, self.deepco.SplitRun(self._sent(request), timeout=self.timeout if timeout is None
                                                             else timeout))
 
-    def send_rows(self, message: dpb.RowsMessage, timeout: float | None = None) -> int:
-        """Rows of a split job for this server, as a peer sends them (SplitExchange, one message): the rest of a
-        window the device streams (SplitRequest.input_rest). Returns once the server has filed them: the
-        messages it took."""
+    def send_rows(self, message: dpb.RowsMessage, timeout: float | None = None) -> Callable[[], int]:
+        """Send rows of a split job to this server, as a peer sends them (SplitExchange, one message): the rest
+        of a window the device streams (SplitRequest.input_rest). Returns at once, with a function that waits
+        for the server to have filed them (the messages it took) and raises ServerError if it did not: an
+        antenna sends the next rest without waiting on a server whose CPU is busy with the first sub-band."""
         self._sent(message)
-        try:
-            return self.deepco.SplitExchange(iter([message]), timeout=self.timeout if timeout is None else timeout
-                                             ).messages
-        except grpc.RpcError as exc:
-            raise ServerError.from_rpc(self.address, exc) from None
+        future = self.deepco.SplitExchange.future(iter([message]),
+                                                  timeout=self.timeout if timeout is None else timeout)
+
+        def acknowledged() -> int:
+            try:
+                return future.result().messages
+            except grpc.RpcError as exc:
+                raise ServerError.from_rpc(self.address, exc) from None
+
+        return acknowledged
 
     def echo(self, payload_bytes: int, reply_bytes: int = 0) -> float:
         """Seconds for ``payload_bytes`` to reach the server and ``reply_bytes`` to come back."""
