@@ -455,10 +455,10 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
     contenders = [local] if local.predicted <= 2 * bench.fastest().mean else []
     rates = bench.rates()
     contenders += candidates(rates, "latency", "offload")[:1] + candidates(rates, "latency", "thread")[:1]
-    # A window streamed in sub-bands costs the device a message per server that the model does not charge it
-    # (ResNet-18 at 720x1280 on the camera preset: the sends took 30-50 ms longer on a 0.1-core camera, and
-    # the plan measured 796 ms where it sent whole measured 760): the fastest plan's twin that sends its
-    # windows whole is timed too, so that the runoff chooses between them on frames.
+    # A window streamed in sub-bands costs what the model does not see: a server reads the rest of its window
+    # on the CPU quota its first sub-band computes on (ResNet-18 at 720x1280 on the camera preset: the antennas
+    # were busy 50-70 ms longer, and the plan measured 796 ms where it sent whole measured 760). The fastest
+    # plan's twin that sends its windows whole is timed too, so that the runoff chooses between them on frames.
     whole = unstreamed(bench.fastest().plan)
     if whole is not bench.fastest().plan:
         contenders.append(bench.repredict(whole))
