@@ -5,14 +5,12 @@ model's formula and the plan's data."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import grpc
 import numpy as np
 import pytest
 from deepco_device.staged import StagedPlanner, StagedRunner
-from test_server_support import serve_process
 from test_staged_runtime import check, make_device, pixels
 
 from deepco.partition import Partitioner, load_model
@@ -116,9 +114,8 @@ def test_the_planner_keeps_the_overlap_where_it_pays_and_the_plan_carries_it(cos
 
 
 @pytest.fixture(scope="module")
-def servers():
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(serve_process("--threads", "1", "--max-models", "64")) for _ in range(3)]
+def servers(three_server_processes):
+    return three_server_processes
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ runtime executes."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +23,8 @@ PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_
 
 
 @pytest.fixture(scope="module")
-def servers():
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(serve_process("--threads", "1", "--max-models", "64")) for _ in range(3)]
+def servers(three_server_processes):
+    return three_server_processes
 
 
 def make_device(servers, model: str, h: int, w: int, antennas: int = 2) -> Device:
