@@ -21,7 +21,10 @@ from deepco.planning.staged import (
     CostModel,
     Rates,
     StagedPlan,
+    _best_levels,
     predict,
+    refine,
+    search,
     split_plan,
     streamed,
     streaming,
@@ -133,6 +136,29 @@ def test_the_cost_model_sends_every_rest_after_the_first_messages_and_the_planne
     fast = _rates(1e12)
     kept = split_plan(tall, fast, ["s0", "s1", "s2"], ["layer1", "layer2"], True, None)
     assert kept is not None and not any(streamed(kept))
+
+
+def _camera(radio: float) -> Rates:
+    """The camera preset's shape at a tenth of its width: two antennas, each carrying two servers' windows."""
+    return Rates({"s0": 4.6e9, "s1": 4.6e9, "s2": 3.5e9, "s3": 3.4e9}, [radio, radio], 0.008, 0.96e9, 1.4e7,
+                 0.0007, 1.8e-8, step_overhead=0.008)
+
+
+def test_a_longer_first_stage_is_ranked_and_wins_where_it_absorbs_the_windows_arrival(tall):
+    chosen = ["s0", "s1", "s2", "s3"]
+    shared = _camera(1.2e6)  # the windows take about 115 ms on the air; the second on an antenna comes last
+    chains = _best_levels(tall, shared, chosen, True, None)
+    barrier = next(c for c in chains if c[-1] == "layer4")  # the barrier model's chain through the network
+    assert barrier[0] == "maxpool"
+    assert {"layer1.0", "layer1"} <= {c[0] for c in chains if c[-1] == "layer4"}
+    best = search(tall, shared, chosen)[0]
+    assert best.kind == "split" and best.lookahead and best.levels[0] not in ("relu", "maxpool"), best.describe()
+    for tail in (None, "s0"):  # the barrier model's own chain, refined as search refines it, is slower
+        plan = split_plan(tall, shared, chosen, barrier, True, tail)
+        assert best.predicted < refine(plan, tall, shared).predicted
+    # a radio that carries the image in no time leaves nothing to absorb: only the barrier model's chains
+    instant = _camera(1e12)
+    assert _best_levels(tall, instant, chosen, True, None) == _best_levels(tall, instant, chosen, True, len(tall.cuts))
 
 
 def test_stream_parts_tile_the_band_and_the_rest_follows_the_first_window(tall):

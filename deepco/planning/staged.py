@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from deepco.errors import UserError
@@ -772,7 +772,8 @@ def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source
 def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahead: bool,
                  max_stages: int | None) -> list[list[str]]:
     """Stage boundaries by dynamic programming over the cut points (barrier model): for each possible last
-    cut, the cheapest chain of stages from the image to it; returns one candidate per last cut."""
+    cut, the cheapest chain of stages from the image to it; returns one candidate per last cut, and with
+    lookahead and no limit on the stages also one per first cut (`_first_stage_chains`)."""
     cuts = [c.name for c in costs.cuts]
     n_cuts = len(cuts)
     inf = math.inf
@@ -806,6 +807,36 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
             chain.append(cuts[at])
             at, depth = back[(at, depth)], depth - 1
         out.append(chain[::-1])
+    if lookahead and max_stages is None:
+        slack = costs.input_bytes / sum(rates.antenna_bytes_per_second)
+        firsts = [c for c in _first_stage_chains(cuts, lambda k: best[k][1], stage, slack) if c not in out]
+        out += firsts
+    return out
+
+
+def _first_stage_chains(cuts: Sequence[str], first: Callable[[int], float], stage: Callable[[int, int], float],
+                        slack: float) -> list[list[str]]:
+    """For every first cut, the cheapest chain from it to the deepest cut (barrier model: ``first`` stage,
+    then ``stage``), where it costs at most ``slack`` seconds more than the cheapest chain of all. With
+    lookahead the first stage's length is a trade the barrier model cannot see: a longer one computes more
+    rows twice but absorbs the staggered arrival of the windows over shared antennas (`refine`) and has the
+    compute to hide a streamed window's rest under. What it can win back is at most the windows' time on the
+    air (``slack``); the exact simulation ranks the chains kept."""
+    last = len(cuts) - 1
+    to_end, after = [0.0] * len(cuts), [None] * len(cuts)
+    for k in range(last - 1, -1, -1):
+        pace()
+        to_end[k], after[k] = min((stage(k, m) + to_end[m], m) for m in range(k + 1, len(cuts)))
+    total = [first(k) + to_end[k] for k in range(last)]
+    out = []
+    for k in range(last):
+        if total[k] == math.inf or total[k] > min(total) + slack:
+            continue
+        chain, at = [], k
+        while at is not None:
+            chain.append(cuts[at])
+            at = after[at]
+        out.append(chain)
     return out
 
 
