@@ -809,8 +809,7 @@ def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
         out.append(chain[::-1])
     if lookahead and max_stages is None:
         slack = costs.input_bytes / sum(rates.antenna_bytes_per_second)
-        firsts = [c for c in _first_stage_chains(cuts, lambda k: best[k][1], stage, slack) if c not in out]
-        out += firsts
+        out += [c for c in _first_stage_chains(cuts, lambda k: best[k][1], stage, slack) if c not in out]
     return out
 
 
