@@ -8,7 +8,7 @@ import pytest
 from deepco.partition import Partitioner, load_model
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning.calibration import Timed, choose, fidelity, fit
-from deepco.planning.staged import CostModel, Rates, StagedPlan, local_plan, offload_plan, predict
+from deepco.planning.staged import CostModel, Rates, StagedPlan, local_plan, offload_plan, predict, split_plan
 
 H, W = 64, 96
 IN, OUT = 3 * H * W, 4000
@@ -321,11 +321,10 @@ def test_balance_puts_each_servers_rate_in_proportion_to_the_others_from_split_f
     from dataclasses import replace
 
     from deepco.planning.calibration import BALANCE_BOUNDS, Balance, with_balance
-    from deepco.planning.staged import search
 
     r = rates()
     truth = replace(r, server_flops_per_second={"s0": 4e9, "s1": 0.5e9})
-    split = next(p for p in search(costs, r, ["s0", "s1"]) if len(p.servers) == 2 and p.levels)
+    split = split_plan(costs, r, ["s0", "s1"], ["layer1", "layer3"], True, "s0")
     balance = Balance(costs, r)
     balance.add(offload_plan(costs, r, "s1"), {"s1": 9.0})
     assert balance.factors() == {}

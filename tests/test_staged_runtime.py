@@ -17,7 +17,8 @@ from deepco_device.staged import StagedPlanner, StagedRunner
 from test_server_support import serve_process
 
 from deepco.cluster import parse_cluster
-from deepco.planning.staged import DEVICE, split_plan
+from deepco.planning.bands import ownership
+from deepco.planning.staged import DEVICE, StagedPlan, split_plan, tables
 
 PHOTO = Path(__import__("matplotlib").get_data_path()) / "sample_data" / "grace_hopper.jpg"
 
@@ -77,6 +78,22 @@ def test_every_plan_shape_equals_the_whole_model(resnet, chosen, levels, lookahe
     planner = StagedPlanner(resnet)
     plan = split_plan(planner.costs, planner.rates(), chosen, levels, lookahead, chosen[0] if tail else None)
     assert plan is not None
+    runner = StagedRunner(resnet, plan)
+    for seed in range(2):
+        check(resnet, runner, pixels(97, 131, seed))
+
+
+@pytest.mark.parametrize(("lookahead", "tail"), [(True, "s0"), (False, None)])
+def test_bands_sized_level_by_level_equal_the_whole_model(resnet, lookahead, tail):
+    """Levels sized each to its own halo (`tables` with speeds): a server's band moves from level to level,
+    so it gets rows of its window beyond a halo's from its neighbours; the frame is still the whole model's."""
+    planner = StagedPlanner(resnet)
+    chosen, levels = ["s0", "s1", "s2"], ["layer1", "layer2", "layer3", "layer4"]
+    bands, windows, crops = tables(planner.costs, levels, [1.0, 1.0, 1.0], lookahead, [4.0, 1.0, 2.0])
+    alike = ownership([1.0, 1.0, 1.0], [planner.costs.height_of(n) for n in [None, *levels]])
+    assert bands[1] == alike[1] and all(bands[j] != alike[j] for j in range(2, len(bands)))
+    plan = StagedPlan("auto", "split", servers=chosen, antennas=[0, 1, 0], order=[0, 0, 1], levels=levels,
+                      bands=bands, windows=windows, crops=crops, lookahead=lookahead, tail=tail)
     runner = StagedRunner(resnet, plan)
     for seed in range(2):
         check(resnet, runner, pixels(97, 131, seed))

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from deepco.errors import UserError
+from deepco.planning import level_balance, scales
 from deepco.planning import overlap as overlapping
-from deepco.planning import scales
 from deepco.planning.bands import ownership, receives
 from deepco.planning.pacing import pace
 from deepco.planning.plan import PlanningError
@@ -193,6 +193,7 @@ class CostModel:
         self._windows: dict[tuple[str, str, int, int], object] = {}
         self._stages: dict[tuple, list] = {}
         self._stage_windows: dict[tuple, object] = {}
+        self._balanced: dict[tuple, list[Interval]] = {}
         self.level = self._deepest_level()
         self.height = partitioner.height
         self.image_row_bytes = input_bytes // partitioner.height
@@ -211,6 +212,18 @@ class CostModel:
         if key not in self._windows:
             self._windows[key] = self.segment(source, target).window(a, b)
         return self._windows[key]
+
+    def balanced(self, source: str | None, target: str, speeds: Sequence[float]) -> list[Interval]:
+        """Bands of level ``target`` for participants of FLOP rates ``speeds`` (band order) on which they
+        compute segment ``source`` -> ``target``, halo included, in equal time as near as whole rows allow
+        (`deepco.planning.level_balance`), starting from bands in proportion to ``speeds``."""
+        key = (source or "", target, tuple(speeds))
+        if key not in self._balanced:
+            height = self.height_of(target)
+            self._balanced[key] = level_balance.balanced(
+                lambda i, a, b: self.window(source, target, a, b).flops / speeds[i], height,
+                ownership(list(speeds), [height])[0])
+        return self._balanced[key]
 
     def _deepest_level(self):
         """The last level (deepco.partition.levels: the tensors alive at once, at several scales), if its head
@@ -265,11 +278,16 @@ class CostModel:
 
 
 def tables(costs: CostModel, levels: Sequence[str], weights: Sequence[float],
-           lookahead: bool) -> tuple[list, list, list]:
-    """(bands, windows, crops) for every level; windows[0] is what the device sends each participant."""
+           lookahead: bool, speeds: Sequence[float] = ()) -> tuple[list, list, list]:
+    """(bands, windows, crops) for every level; windows[0] is what the device sends each participant. Bands in
+    proportion to ``weights``; with ``speeds`` (the participants' FLOP rates), those of the levels after the
+    first sized so that every participant computes its segment in equal time, halo included
+    (`CostModel.balanced`)."""
     names: list[str | None] = [None, *levels]
     heights = [costs.height_of(n) for n in names]
     bands = ownership(weights, heights)
+    for j in range(2, len(names)) if speeds else ():
+        bands[j] = costs.balanced(names[j - 1], names[j], speeds)
     windows: list[list[Interval]] = [[]]
     crops: list[list[int]] = [[]]
     for j in range(1, len(names)):
@@ -623,20 +641,24 @@ def _finish(plan: StagedPlan, costs: CostModel, rates: Rates) -> StagedPlan:
 
 def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Sequence[str],
                lookahead: bool, tail: str | None, weights: Sequence[float] | None = None,
-               algorithm: str = "auto", stream: bool = True) -> StagedPlan | None:
+               algorithm: str = "auto", stream: bool = True, balance: bool = True) -> StagedPlan | None:
     """A split plan over ``chosen`` (band order) at ``levels``; None where a level has too few rows. Its stages
-    run in parts, and with lookahead its windows stream in sub-bands (``stream``), where predicted faster."""
+    run in parts, its levels after the first are sized to the participants' speeds halo included (``balance``;
+    `tables`), and with lookahead its windows stream in sub-bands (``stream``): each where predicted faster."""
     weights = list(weights or [rates.speed(s) for s in chosen])
-    try:
-        bands, windows, crops = tables(costs, levels, weights, lookahead)
-    except PlanningError:
-        return None
-    sizes = [(b - a) * costs.row_bytes(None) for a, b in windows[0]]
-    antennas, order = _associate(chosen, rates, sizes)
-    plan = _finish(StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
-                              levels=list(levels), bands=bands, windows=windows, crops=crops, lookahead=lookahead,
-                              tail=tail), costs, rates)
-    best = plan
+    speeds = [rates.speed(s) for s in chosen]
+    made = []
+    for level_speeds in ([], speeds) if balance and len(levels) > 1 else ([],):
+        try:
+            bands, windows, crops = tables(costs, levels, weights, lookahead, level_speeds)
+        except PlanningError:
+            return None
+        sizes = [(b - a) * costs.row_bytes(None) for a, b in windows[0]]
+        antennas, order = _associate(chosen, rates, sizes)
+        made.append(_finish(StagedPlan(algorithm, "split", servers=list(chosen), antennas=antennas, order=order,
+                                       levels=list(levels), bands=bands, windows=windows, crops=crops,
+                                       lookahead=lookahead, tail=tail), costs, rates))
+    plan = best = min(made, key=lambda p: p.predicted)
     parted = in_parts(plan, costs)
     if parted.overlap:
         parted = _finish(parted, costs, rates)  # kept only where the model says it pays
@@ -954,7 +976,8 @@ def search(costs: CostModel, rates: Rates, servers: Sequence[str], *, objective:
                 for levels in chains:
                     pace()
                     plan = split_plan(costs, rates, chosen, levels, lookahead, tail, algorithm=algorithm,
-                                      stream=shapes == "all")  # the paper's shapes send windows whole
+                                      stream=shapes == "all",  # the paper's shapes send windows whole,
+                                      balance=shapes == "all")  # and size every level alike
                     if plan is not None:
                         candidates.append(plan)
                     if shapes == "all" and lookahead and tail is None and len(levels) == 1:
