@@ -5,8 +5,9 @@ is its band *and the halo* it computes again to produce it: a server in the midd
 the top and bottom ones on one, and deep in a network the halo is as large as the band (ResNet-18 at 720x1280
 over four servers: 4-8 rows of `layer4` owned, 7-10 computed). With one fraction per server at every level, the
 middle servers are the slowest at the deep levels, and every neighbour waits for their rows before the next
-level (measured on the camera preset: a 0.35-core server in the middle computed 101-125 ms at the three deepest
-levels against 62-105 for the others, which then waited for it).
+level. (On the camera preset the servers' compute per level is uneven by about a tenth; sizing the levels to
+their halos moved a row or two per level and measured no faster there: most of that unevenness is the servers'
+speeds, not the halo. bench/README.md, 06e6854.)
 
 `balanced` sizes one level's bands so that its slowest server is as fast as the rows allow: a bisection on the
 time, each step filling the servers top to bottom with as many rows as fit in it. Rows are whole, so at the
@@ -39,7 +40,7 @@ def balanced(seconds: Callable[[int, int, int], float], height: int, start: Sequ
     def slowest(bands: Sequence[Interval]) -> float:
         return max(seconds(i, a, b) for i, (a, b) in enumerate(bands))
 
-    best, low, high = list(start), slowest(start) * SECONDS_FLOOR, slowest(start)
+    best, low, high = None, slowest(start) * SECONDS_FLOOR, slowest(start)
     while high - low > PRECISION * high:
         mid = (low + high) / 2
         bands = _fill(seconds, height, n, mid)
@@ -47,8 +48,8 @@ def balanced(seconds: Callable[[int, int, int], float], height: int, start: Sequ
             low = mid
         else:
             best, high = bands, slowest(bands)
-    if best is start:
-        return best
+    if best is None:
+        return list(start)
     # Filled top down, the bottom server gets what the time leaves (it idles, and the rates it was sized on are
     # estimates); filled bottom up, the top one. Between the two, each boundary halfway, where that meets it.
     upward = _fill(lambda i, a, b: seconds(n - 1 - i, height - b, height - a), height, n, high)
