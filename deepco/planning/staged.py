@@ -645,8 +645,8 @@ def split_plan(costs: CostModel, rates: Rates, chosen: Sequence[str], levels: Se
     """A split plan over ``chosen`` (band order) at ``levels``; None where a level has too few rows. Its stages
     run in parts, its levels after the first are sized to the participants' speeds halo included (``balance``;
     `tables`), and with lookahead its windows stream in sub-bands (``stream``): each where predicted faster."""
-    weights = list(weights or [rates.speed(s) for s in chosen])
     speeds = [rates.speed(s) for s in chosen]
+    weights = list(weights or speeds)
     made = []
     for level_speeds in ([], speeds) if balance and len(levels) > 1 else ([],):
         try:
