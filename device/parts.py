@@ -20,6 +20,7 @@ from deepco.partition import Partitioner, load_model
 from deepco.partition.graph import model_size_problem
 from deepco.partition.pixels import with_pixel_input
 from deepco.planning.calibration import with_balance, with_compute_scale
+from deepco.planning.links import with_links
 from deepco.planning.staged import CostModel, Rates
 from deepco.wire.client import InferenceClient
 from deepco.wire.security import ChannelSecurity
@@ -110,6 +111,9 @@ class Measured:
         self.step_overhead = 0.0
         # each server's slowness on this model against the others' (calibration.Balance.factors; {}: as probed)
         self.balance: dict[str, float] = {}
+        # each antenna's time against its probe's, as calibration's frames carried the windows
+        # (deepco.planning.links.Links.factors; {}: as probed)
+        self.links: dict[int, float] = {}
         # servers down at the start, not measured: no plan counts on them until they answer and are measured
         self.unreached: dict[str, str] = {}  # name -> why (e.g. 'connection refused')
         # a server's rate on the model per FLOP/s on the probe (device.measuring.measure); None: not known (an old
@@ -119,7 +123,8 @@ class Measured:
     def rates(self, exclude: Iterable[str] = ()) -> Rates:
         """The measured rates with the fitted compute scale and step overhead, without the servers in
         ``exclude``."""
-        r = with_compute_scale(with_balance(self.measurements.rates(), self.balance), self.compute_scale)
+        r = with_compute_scale(with_links(with_balance(self.measurements.rates(), self.balance), self.links),
+                               self.compute_scale)
         r.step_overhead = self.step_overhead
         for name in exclude:
             r.server_flops_per_second.pop(name, None)

@@ -55,6 +55,7 @@ class Cached:
     step_overhead: float
     probe_ratio: float | None = None  # setup's model/probe speed ratio, for servers measured later; None: unknown
     balance: dict[str, float] = field(default_factory=dict)  # the servers' slowness against each other (fitted)
+    links: dict[int, float] = field(default_factory=dict)  # each antenna's time against its probe's (fitted)
 
 
 def _digest(data: bytes) -> str:
@@ -139,7 +140,8 @@ class PlanCache:
             cached = Cached(StagedPlan.from_dict(data["plan"]), _measurements(data["measured"]),
                             float(data["compute_scale"]), float(data["step_overhead"]),
                             None if ratio is None else float(ratio),
-                            {str(k): float(v) for k, v in data.get("balance", {}).items()})
+                            {str(k): float(v) for k, v in data.get("balance", {}).items()},
+                            {int(k): float(v) for k, v in data.get("links", {}).items()})
             names = {s["name"] for s in key["servers"]}
             measured = set(cached.measured.server_flops_per_second)
             if not set(cached.plan.servers) <= names | {DEVICE} or measured != names:
@@ -157,7 +159,8 @@ class PlanCache:
         height, width = key["input_size"]
         data = {"format": FORMAT, "key": key, **plan_document(model, height, width, cached.plan),
                 "measured": cached.measured.to_dict(), "compute_scale": cached.compute_scale,
-                "step_overhead": cached.step_overhead, "probe_ratio": cached.probe_ratio, "balance": cached.balance}
+                "step_overhead": cached.step_overhead, "probe_ratio": cached.probe_ratio, "balance": cached.balance,
+                "links": {str(m): k for m, k in cached.links.items()}}
         temporary = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -205,7 +208,7 @@ class CacheUse:
         self.cached = self.cache.load(self.key)
         if self.cached is not None:
             c = self.cached
-            device.restore(c.measured, c.compute_scale, c.step_overhead, c.probe_ratio, c.balance)
+            device.restore(c.measured, c.compute_scale, c.step_overhead, c.probe_ratio, c.balance, c.links)
             say(f"plan cache: warm start from {self.cache.path(self.key)}: no measuring, no calibration")
 
     def plan(self, planner, objective: str) -> StagedPlan:
@@ -235,7 +238,8 @@ class CacheUse:
             self.say(f"plan cache: nothing written: {unsettled} before calibration settled")
             return
         m = device.measurements
-        cached = Cached(plan, m.measurements, m.compute_scale, m.step_overhead, m.probe_ratio, dict(m.balance))
+        cached = Cached(plan, m.measurements, m.compute_scale, m.step_overhead, m.probe_ratio, dict(m.balance),
+                        dict(m.links))
         path = self.cache.store(self.key, self.model, cached)
         if path is not None:
             self.say(f"plan cache: wrote {path}")

@@ -34,6 +34,7 @@ from deepco_device.runners import RUNNERS, StagedRunner
 from deepco.errors import UserError
 from deepco.planning import calibration, slo
 from deepco.planning.calibration import Unfit, plan_key
+from deepco.planning.links import Links
 from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
     Rates,
@@ -167,7 +168,8 @@ class StagedPlanner:
         self.room, self._unfit_told = self.free_slots(), False
         dev = self.device
         balance = calibration.Balance(self.costs, dev.measured.rates())
-        runs = _PlanRuns(dev, live or _BlankFrames(self._blank()), balance)
+        links = Links(self.costs, dev.measured.rates())
+        runs = _PlanRuns(dev, live or _BlankFrames(self._blank()), balance, links)
         if live is not None and first_on_device:  # the first result does not wait for the ranking (`_plan`)
             runs.first_on_device()
         try:
@@ -175,7 +177,7 @@ class StagedPlanner:
                 self.costs, dev.measured.rates(), self._candidates, runs.time, runs.release, objective=objective,
                 frames=frames, rounds=rounds, runoff_frames=runoff_frames, log=dev.log,
                 compute_scale=self.compute_scale, step_overhead=self.step_overhead,
-                spare=runs.spare if standby else None, balance=balance)
+                spare=runs.spare if standby else None, balance=balance, links=links)
         except SourceEnded:
             return self.best(objective)  # no frame is left to run it on
         except ServerError as exc:
@@ -188,7 +190,7 @@ class StagedPlanner:
             dev.log(f"calibration stopped: {exc}; going on uncalibrated without {', '.join(sorted(down)) or 'it'}")
             return self.best(objective, exclude=down)
         dev.measurements.compute_scale, dev.measurements.step_overhead = result.compute_scale, result.step_overhead
-        dev.measurements.balance = result.balance
+        dev.measurements.balance, dev.measurements.links = result.balance, result.links
         self.trials += result.trials
         self.standby += runs.spared
         if runs.spared:
@@ -380,8 +382,9 @@ class _PlanRuns:
     """Calibration's ``time_plan`` and ``release`` on the device: a runner per plan, its models on the servers
     until the plan is released, and its frames from ``frames`` (`LiveFrames`, or `_BlankFrames`)."""
 
-    def __init__(self, device: Device, frames: LiveFrames | _BlankFrames, balance: calibration.Balance | None = None):
-        self.device, self.frames, self.balance = device, frames, balance
+    def __init__(self, device: Device, frames: LiveFrames | _BlankFrames, balance: calibration.Balance | None = None,
+                 links: Links | None = None):
+        self.device, self.frames, self.balance, self.links = device, frames, balance, links
         self._runners: dict[str, StagedRunner] = {}
         self.spared: list[StagedRunner] = []
         self._local: StagedRunner | None = None  # the device alone, for live frames while models are sent
@@ -470,8 +473,8 @@ class _PlanRuns:
 
     def _frame(self, runner: StagedRunner, timed: bool = False) -> float:
         """Run the next frame on ``runner``; its latency. A frame whose server fails goes back to the frames. A
-        ``timed`` one's server compute times go to the balance (not a frame beside a set-up: the servers it loads
-        models on compute slower meanwhile)."""
+        ``timed`` one's server compute times go to the balance and its windows' arrivals to the links (not a frame
+        beside a set-up: the servers it loads models on compute slower meanwhile)."""
         x = self.frames.next()
         try:
             outputs, timing = runner.run_frame(x)
@@ -480,7 +483,11 @@ class _PlanRuns:
             raise
         self.frames.done(outputs, timing, runner.plan)
         if timed and self.balance is not None:
-            self.balance.add(runner.plan, {step.name: step.compute for step in timing.servers})
+            self.balance.add(runner.plan, {step.name: step.compute for step in timing.servers},
+                             {step.name: sum(b - a for phase, level, a, b in step.times.phases
+                                             if phase == "compute" and level == 1) for step in timing.servers})
+        if timed and self.links is not None:
+            self.links.add(runner.plan, {step.name: step.received for step in timing.servers})
         return timing.latency
 
     def pipelined(self, option: slo.Option, frames: int) -> slo.Trial:

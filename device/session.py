@@ -221,16 +221,19 @@ class Device:
             return {name: rate * ratio for name, rate in zip(names, found, strict=True)}
 
     def restore(self, measured: Measurements, compute_scale: float, step_overhead: float,
-                probe_ratio: float | None = None, balance: dict[str, float] | None = None) -> None:
+                probe_ratio: float | None = None, balance: dict[str, float] | None = None,
+                links: dict[int, float] | None = None) -> None:
         """Take what an earlier setup measured and its calibration fitted (the plan cache, device.plan_cache)
         instead of measuring: a warm start sends nothing but its frames. ``probe_ratio``: that setup's (a server
         down at this start is measured with it when it answers; None: its cached rate is kept); ``balance``: the
-        servers' slowness against each other that calibration fitted."""
+        servers' slowness against each other that calibration fitted; ``links``: each antenna's time against its
+        probe's that it fitted."""
         if self.partitioner is None:
             self.load()
         self.measurements.measurements = measured
         self.measurements.compute_scale, self.measurements.step_overhead = compute_scale, step_overhead
         self.measurements.balance = dict(balance or {})
+        self.measurements.links = dict(links or {})
         self.measurements.probe_ratio = probe_ratio
 
     def paper_plan(self, algorithm: str, exclude: Iterable[str] = (), cut: str | None = None,

@@ -344,6 +344,36 @@ def test_balance_puts_each_servers_rate_in_proportion_to_the_others_from_split_f
     assert short.factors() == {}
 
 
+def test_balance_leaves_out_the_first_level_where_the_frame_says_what_it_took(costs):
+    """s1 computes every later level at 1.25x s0's speed (against setup's rates), but its first level, which runs
+    while the device still sends, takes so much longer that over the whole frame both look alike. Told each
+    server's first-level seconds, Balance finds s1 faster; counting the whole frame it cannot."""
+    from dataclasses import replace
+
+    from deepco.planning.calibration import Balance, first_level_flops
+
+    r = rates()
+    split = split_plan(costs, r, ["s0", "s1"], ["layer1", "layer3"], True, "s0")
+    speeds = r.server_flops_per_second
+    later = replace(r, server_flops_per_second={"s0": speeds["s0"], "s1": 1.25 * speeds["s1"]})
+    computes = _split_computes(split, costs, later)
+    first = {name: first_level_flops(split, costs, i) / later.server_flops_per_second[name]
+             for i, name in enumerate(split.servers)}
+    # s1's first level slowed until its whole frame takes as long against setup's rate as s0's
+    setup = _split_computes(split, costs, r)
+    extra = computes["s0"] / setup["s0"] * setup["s1"] - computes["s1"]
+    assert extra > 0
+    computes["s1"] += extra
+    first["s1"] += extra
+    whole, leaving_out = Balance(costs, r), Balance(costs, r)
+    for _ in range(3):
+        whole.add(split, computes)
+        leaving_out.add(split, computes, first)
+    assert whole.factors() == pytest.approx({"s0": 1.0, "s1": 1.0})
+    factors = leaving_out.factors()
+    assert factors["s0"] / factors["s1"] == pytest.approx(1.25)
+
+
 @pytest.mark.parametrize("balanced", [True, False])
 def test_calibration_sizes_the_bands_on_the_servers_speeds_the_frames_measured(costs, balanced):
     """Setup's probe swapped the two servers (s0 probed at 2 GFLOP/s runs this model at 4, s1 the reverse), as
@@ -384,7 +414,8 @@ def test_a_streamed_plan_that_measures_slower_than_its_twin_sending_whole_window
     from deepco.planning.calibration import calibrate
     from deepco.planning.staged import streamed, unstreamed
 
-    r = Rates({"s0": 4e9, "s1": 1e9}, [3e5, 3e5], 0.001, 1e8, 1e8, 0.0005)  # slow radios: streaming predicted to pay
+    # slow radios and a quick round trip (a window's rest waits for one): streaming predicted to pay
+    r = Rates({"s0": 4e9, "s1": 1e9}, [3e5, 3e5], 0.0005, 1e8, 1e8, 0.0005)
 
     def seconds_of(plan):
         return predict(plan, costs, r)["frame"] + 0.01 * sum(x is not None for x in streamed(plan))

@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from deepco.planning.links import Links, with_links
 from deepco.planning.live_rates import work_of
 from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps, unstreamed
 
@@ -80,23 +81,35 @@ class Balance:
     over the geometric mean of all of them: a server the probe overrated gets a factor above 1, and the rates it
     is planned on are divided by it (`with_balance`); the common part stays for the compute scale. On the
     camera preset, a 0.35-core server probed faster than its 0.45-core neighbours computed every level of a
-    YOLOv8n split 1.6-2.4x longer than them, and they waited 60-100 ms a level for its rows."""
+    YOLOv8n split 1.6-2.4x longer than them, and they waited 60-100 ms a level for its rows.
+
+    Where a plan has several levels and the frame says what each server computed of the first (``first``), that
+    level is left out of both sides: it runs while the device is still sending windows, on CPUs the transfer
+    shares, and each server's overlaps it by another share (ResNet-18 at 720x1280 on the camera preset: the
+    first level took 1.12-1.37x its predicted time, the later ones 0.70-0.98x, so a server that computed the later
+    levels 10% faster than its neighbours, every level, showed no slowness of its own over the whole frame)."""
 
     def __init__(self, costs: CostModel, measured: Rates):
         self.costs, self.measured = costs, measured
         self.slowness: dict[str, list[float]] = {}
 
-    def add(self, plan: StagedPlan, computes: dict[str, float]) -> None:
-        """One frame of ``plan``: ``computes``, each server's compute seconds in it."""
+    def add(self, plan: StagedPlan, computes: dict[str, float], first: dict[str, float] | None = None) -> None:
+        """One frame of ``plan``: ``computes``, each server's compute seconds in it; ``first``, of those, the
+        seconds of the first level (see the class doc)."""
         servers = [s for s in plan.servers if s != DEVICE]
         if len(servers) < 2 or not plan.levels:
             return
-        for name, work in zip(plan.servers, work_of(plan, self.costs), strict=True):
+        skip = first is not None and len(plan.levels) > 1
+        for i, (name, work) in enumerate(zip(plan.servers, work_of(plan, self.costs), strict=True)):
             rate, seconds = self.measured.server_flops_per_second.get(name), computes.get(name)
             if name == DEVICE or not rate or not seconds or seconds <= 0:
                 continue
-            if work.flops / rate >= BALANCE_LEAST_STAGE_SECONDS * len(plan.levels):
-                self.slowness.setdefault(name, []).append(seconds / (work.flops / rate))
+            # a server that timed no phases (an older one) is counted whole
+            mine = skip and first.get(name, 0.0) > 0
+            flops = work.flops - (first_level_flops(plan, self.costs, i) if mine else 0)
+            seconds -= first[name] if mine else 0.0
+            if seconds > 0 and flops / rate >= BALANCE_LEAST_STAGE_SECONDS * (len(plan.levels) - mine):
+                self.slowness.setdefault(name, []).append(seconds / (flops / rate))
 
     def factors(self) -> dict[str, float]:
         """Per server seen, its median slowness over the geometric mean of all of theirs, within
@@ -107,6 +120,13 @@ class Balance:
         mean = math.exp(statistics.fmean(math.log(m) for m in medians.values()))
         low, high = BALANCE_BOUNDS
         return {name: min(high, max(low, m / mean)) for name, m in medians.items()}
+
+
+def first_level_flops(plan: StagedPlan, costs: CostModel, i: int) -> int:
+    """FLOPs of participant ``i``'s band of ``plan``'s first level (its window's, halo included)."""
+    if plan.kind == "scales":
+        return costs.stage_window(plan.levels, 1, *plan.bands[1][i]).flops
+    return costs.window(None, plan.levels[0], *plan.bands[1][i]).flops
 
 
 def _overhead_for(timed: Sequence[Timed], bases: list[float]) -> float:
@@ -260,6 +280,7 @@ class Calibrated:
     step_overhead: float
     trials: list[dict]
     balance: dict[str, float] = field(default_factory=dict)  # `Balance.factors` at the end
+    links: dict[int, float] = field(default_factory=dict)  # `deepco.planning.links.Links.factors` at the end
 
 
 def plan_key(plan: StagedPlan) -> str:
@@ -286,9 +307,9 @@ class _Bench:
 
     def __init__(self, costs: CostModel, measured: Rates, time_plan: TimePlan, release: Callable[[StagedPlan], None],
                  log: Callable[[str], None], frames: int, scale: float, overhead: float, settle: float,
-                 balance: Balance | None = None):
+                 balance: Balance | None = None, links: Links | None = None):
         self.costs, self.measured, self.time_plan, self.release = costs, measured, time_plan, release
-        self.balance = balance
+        self.balance, self.links = balance, links
         self.log, self.frames, self.settle = log, frames, settle
         self.scale, self.overhead = scale, overhead
         self.timed: dict[str, Timed] = {}
@@ -298,8 +319,10 @@ class _Bench:
         self._kept: str | None = None
 
     def base(self) -> Rates:
-        """The measured rates, each server's put in proportion to the others' as the frames so far showed."""
-        return with_balance(self.measured, self.balance.factors()) if self.balance is not None else self.measured
+        """The measured rates, each server's put in proportion to the others' and each antenna's rate as the
+        frames so far showed."""
+        rates = with_balance(self.measured, self.balance.factors()) if self.balance is not None else self.measured
+        return with_links(rates, self.links.factors()) if self.links is not None else rates
 
     def rates(self) -> Rates:
         """The measured rates with the model fitted so far."""
@@ -350,11 +373,15 @@ class _Bench:
         self.timed[key] = Timed(plan, seconds)
         self.refit()
         factors = self.balance.factors() if self.balance is not None else {}
+        links = self.links.factors() if self.links is not None else {}
         self.trials.append({"plan": plan.describe(), "predicted": plan.predicted, "measured": self.timed[key].mean,
                             "steps": steps(plan), "step_overhead": self.overhead, "compute_scale": self.scale,
-                            "note": note} | ({"balance": factors} if factors else {}))
+                            "note": note} | ({"balance": factors} if factors else {})
+                           | ({"links": {str(m): k for m, k in links.items()}} if links else {}))
         slowness = (", servers' slowness against each other " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
             factors.items()))) if factors else ""
+        slowness += (", antennas' time against the probe's " + ", ".join(f"{m} {k:.2f}" for m, k in sorted(
+            links.items()))) if links else ""
         self.log(f"calibration ({note}): {plan.describe()}: predicted {plan.predicted * 1e3:.1f} ms, "
                  f"measured {self.timed[key].mean * 1e3:.1f} ms; now compute scale "
                  f"{self.scale:.2f}, step overhead {self.overhead * 1e3:.2f} ms{slowness}")
@@ -409,7 +436,8 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
               release: Callable[[StagedPlan], None], *, objective: str = "latency", frames: int = 2, rounds: int = 3,
               runoff_frames: int = 6, log: Callable[[str], None] = print, compute_scale: float = 1.0,
               step_overhead: float = 0.0, settle: float = SETTLE_SECONDS,
-              spare: Callable[[StagedPlan], None] | None = None, balance: Balance | None = None) -> Calibrated:
+              spare: Callable[[StagedPlan], None] | None = None, balance: Balance | None = None,
+              links: Links | None = None) -> Calibrated:
     """Plan (``candidates`` on the rates fitted so far), time the plan (``time_plan``), fit the cost model's
     compute scale and per-step overhead (`fit`, from the measured ``rates``), plan again; stop when the plan
     repeats. For latency, time local, the best offload and the paper's shape as contenders too, then run the
@@ -422,8 +450,10 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
     finalists' resources. With ``spare``, the finalists still held at the end go to it instead of ``release``
     (live adaptation keeps their models on the servers: a switch to a plan that needs them uploads nothing).
     With ``balance`` (fed by ``time_plan`` with every split frame's server compute times), each server's rate is
-    put in proportion to the others' as measured before the scale is fitted and plans are made again."""
-    bench = _Bench(costs, rates, time_plan, release, log, frames, compute_scale, step_overhead, settle, balance)
+    put in proportion to the others' as measured before the scale is fitted and plans are made again; with
+    ``links`` (fed with every split frame's window arrivals), each antenna's rate as the frames carried them."""
+    bench = _Bench(costs, rates, time_plan, release, log, frames, compute_scale, step_overhead, settle, balance,
+                   links)
     try:
         plan = _calibrate(bench, candidates, objective, rounds, runoff_frames)
         if spare is not None:
@@ -432,7 +462,7 @@ def calibrate(costs: CostModel, rates: Rates, candidates: Candidates, time_plan:
     finally:
         bench.give_back(lambda k: k != bench._kept)
     return Calibrated(plan, bench.scale, bench.overhead, bench.trials,
-                      balance.factors() if balance is not None else {})
+                      balance.factors() if balance is not None else {}, links.factors() if links is not None else {})
 
 
 def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: int, runoff_frames: int) -> StagedPlan:

@@ -302,8 +302,10 @@ def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates,
                    follow: Sequence[int] = ()) -> tuple[list[float], list[float]]:
     """When each participant's first message has arrived, and when its whole window has: the device's CPU
     marshals messages one at a time in send order (position, then antenna), each antenna sends its messages
-    one after another. ``sizes``: each participant's first message; ``follow``: the bytes of its window that
-    follow it (a streamed window, `streamed`; none by default), sent once every first message has gone."""
+    one after another, and a first message only once the one before it on the antenna was acknowledged (as
+    the device's sender does: a request's round trip, ``request_overhead``, lies between two servers' windows).
+    ``sizes``: each participant's first message; ``follow``: the bytes of its window that follow it (a
+    streamed window, `streamed`; none by default), sent once every first message has gone, back to back."""
     follow = list(follow) or [0] * len(plan.servers)
     cpu = 0.0
     free = [0.0] * len(rates.antenna_bytes_per_second)
@@ -318,12 +320,25 @@ def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates,
         start = max(free[m], cpu)
         free[m] = start + nbytes / rates.antenna_bytes_per_second[m]
         times[i] = free[m] + rates.request_overhead
+        if times is arrived:
+            free[m] = times[i]
     for i, name in enumerate(plan.servers):
         if name == DEVICE:  # the device computes its own band once it has sent the others'
             arrived[i] = cpu
         if not follow[i]:
             whole[i] = arrived[i]
     return arrived, whole
+
+
+def sends(plan: StagedPlan, costs: CostModel, rates: Rates) -> tuple[list[float], list[float]]:
+    """A split's or a plan across scales' `_send_schedule`: when each participant's first message of the image
+    has arrived, and when its whole window has (what the device's runner measures as ``received``)."""
+    row = costs.row_bytes(None)
+    if plan.kind == "scales":
+        return _send_schedule(plan, [(b - a) * row for a, b in plan.windows[0]], rates)
+    follow = [0 if r is None else (r[1] - r[0]) * row for r in streamed(plan)]
+    sizes = [(b - a) * row - f for (a, b), f in zip(plan.windows[0], follow, strict=True)]
+    return _send_schedule(plan, sizes, rates, follow)
 
 
 def streamed(plan: StagedPlan) -> list[Interval | None]:
@@ -388,10 +403,7 @@ def predict(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     n = len(plan.servers)
     names: list[str | None] = [None, *plan.levels]
     speed = [rates.speed(s) for s in plan.servers]
-    row0 = costs.row_bytes(None)
-    follow = [0 if r is None else (r[1] - r[0]) * row0 for r in streamed(plan)]
-    sizes = [(b - a) * row0 - f for (a, b), f in zip(plan.windows[0], follow, strict=True)]
-    first, arrived = _send_schedule(plan, sizes, rates, follow)
+    first, arrived = sends(plan, costs, rates)
     done = list(first)
     link, hop = rates.peer_bytes_per_second, rates.peer_overhead
     stages = []
@@ -469,7 +481,7 @@ def _predict_scales(plan: StagedPlan, costs: CostModel, rates: Rates) -> dict:
     """`predict` of a plan across scales (deepco.planning.scales): windows of the image sent, stages run with
     each tensor's halo exchanged between them, then every tensor's bands returned to the device, which runs
     the rest, or gathered on the ``tail`` participant, which runs it there."""
-    arrived = _send_schedule(plan, [(b - a) * costs.row_bytes(None) for a, b in plan.windows[0]], rates)[0]
+    arrived = sends(plan, costs, rates)[0]
     speeds = [rates.speed(s) for s in plan.servers]
     rb = costs.tensor_row_bytes
     ends = scales.stage_ends(arrived, _scales_work(plan, costs), plan.tensors, speeds, rb, rates.peer_bytes_per_second,

@@ -1,0 +1,90 @@
+"""Each antenna's rate as live frames carried the image, not as setup's probe measured it.
+
+Setup probes an antenna once, with one large message. A frame's windows cross it otherwise: two sender
+threads on a device of a tenth of a core, each antenna's messages one after another. On the camera preset
+(ResNet-18 at 720x1280, four servers on two 100 Mbit/s antennas) the windows of the second server on each
+antenna arrived 20-45 ms after the model said, and once a probe read one antenna at 5.2 MB/s where frames
+crossed it at about 12: the first stage, sized to the predicted arrivals (`deepco.planning.staged.refine`),
+left the late servers computing 30-60 ms after the others, and every server waited for them at the next
+exchange. A split frame's runner measures when each server had its whole window (``ServerStep.received``:
+the server's acknowledgement); `Links` keeps those arrivals, and `factors` fits, per antenna, the factor its
+probed time is multiplied by so that the send model (`deepco.planning.staged.sends`) meets them in the least
+squares. `with_links` plans on it.
+
+Only frames of plans that send windows count (splits, plans across scales): an offload's runner does not
+see its input arrive.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, sends
+
+LINK_BOUNDS = (0.25, 4.0)  # an antenna within 4x of its probe, either way
+STEPS = 160  # factors tried per antenna, geometric between the bounds (about 1.8% apart)
+PASSES = 2  # the antennas share the device's CPU in the model: a second pass fits each to the other's fit
+
+
+def with_links(rates: Rates, factors: dict[int, float]) -> Rates:
+    """``rates`` with antenna ``m``'s bytes per second divided by its factor in ``factors`` (`Links.factors`;
+    1 where it has none)."""
+    if not factors:
+        return rates
+    return replace(rates, antenna_bytes_per_second=[bw / factors.get(m, 1.0)
+                                                    for m, bw in enumerate(rates.antenna_bytes_per_second)])
+
+
+class Links:
+    """The windows' measured arrivals (see the module doc) and the per-antenna factors they fit."""
+
+    def __init__(self, costs: CostModel, measured: Rates):
+        self.costs, self.measured = costs, measured
+        self._frames: dict[str, tuple[StagedPlan, dict[str, list[float]]]] = {}
+        self._fit: dict[int, float] | None = None
+
+    def add(self, plan: StagedPlan, arrivals: dict[str, float]) -> None:
+        """One frame of ``plan``: ``arrivals``, seconds from the frame's start until each server had its whole
+        window."""
+        if plan.kind not in ("split", "scales"):
+            return
+        key = repr((plan.servers, plan.antennas, plan.order, plan.windows[:1], plan.overlap[1:2]))
+        _, seen = self._frames.setdefault(key, (plan, {}))
+        for name, seconds in arrivals.items():
+            if name != DEVICE and name in plan.servers and seconds > 0:
+                seen.setdefault(name, []).append(seconds)
+                self._fit = None
+
+    def factors(self) -> dict[int, float]:
+        """Per antenna that carried a window, the factor on its probed time that fits the medians of the
+        arrivals best (squared relative error), within ``LINK_BOUNDS``; none until a frame was seen."""
+        if self._fit is None:
+            self._fit = self._fitted()
+        return dict(self._fit)
+
+    def _fitted(self) -> dict[int, float]:
+        seen = [(plan, {s: statistics.median(v) for s, v in arrivals.items() if v})
+                for plan, arrivals in self._frames.values()]
+        used = sorted({plan.antennas[i] for plan, medians in seen for i, s in enumerate(plan.servers)
+                       if s in medians})
+        if not used:
+            return {}
+        low, high = LINK_BOUNDS
+        grid = [low * (high / low) ** (k / (STEPS - 1)) for k in range(STEPS)]
+        fit = dict.fromkeys(used, 1.0)
+
+        def error(factors: dict[int, float], m: int) -> float:
+            rates = with_links(self.measured, factors)
+            total = 0.0
+            for plan, medians in seen:
+                whole = sends(plan, self.costs, rates)[1]
+                total += sum((whole[i] / medians[s] - 1) ** 2 for i, s in enumerate(plan.servers)
+                             if s in medians and plan.antennas[i] == m)
+            return total
+
+        for _ in range(PASSES):
+            for m in used:
+                fit[m] = min(grid, key=lambda k: (error(fit | {m: k}, m), abs(math.log(k))))
+        return fit

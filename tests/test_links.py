@@ -1,0 +1,91 @@
+"""Each antenna's rate fitted to the windows' measured arrivals (deepco.planning.links), on real servers."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from deepco_device.runners import StagedRunner
+from deepco_device.session import Device
+
+from deepco.cluster import parse_cluster
+from deepco.planning.links import Links, with_links
+from deepco.planning.staged import refine, sends, split_plan
+
+MBPS = 8.0  # paced (EMULATED): slow enough that the bytes, not the requests' fixed cost, set the arrivals
+
+
+@pytest.fixture(scope="module")
+def paced_device(two_servers):
+    data = {"device": {"antennas": 1, "bandwidth": MBPS},
+            "servers": [{"name": f"s{i}", "capacity": 1.0, "address": s.address} for i, s in enumerate(two_servers)]}
+    with Device(parse_cluster(data), "resnet18", 96, 128, log=lambda _: None, pace=True) as dev:
+        dev.setup()
+        yield dev
+
+
+def test_the_fit_finds_how_much_slower_an_antenna_carries_windows_than_the_rates_it_is_given(paced_device):
+    """Both servers on the one antenna, one after the other. Told the antenna is 3x faster than the pace the
+    device holds it to, the fit multiplies its time by about 3, and the send model then meets every server's
+    measured arrival, the second's (which starts after the first's window was acknowledged) included."""
+    dev = paced_device
+    measured = dev.measured.rates()
+    plan = split_plan(dev.costs, measured, ["s0", "s1"], ["layer1"], True, None, stream=False)
+    assert plan is not None and plan.antennas == [0, 0] and sorted(plan.order) == [0, 1]
+    runner = StagedRunner(dev, plan)
+    arrivals: dict[str, list[float]] = {"s0": [], "s1": []}
+    told = replace(measured, antenna_bytes_per_second=[3 * b for b in measured.antenna_bytes_per_second])
+    links = Links(dev.costs, told)
+    try:
+        x = np.random.default_rng(0).integers(0, 256, (1, 3, 96, 128), dtype=np.uint8)
+        runner.run_frame(x)  # the first run allocates
+        for _ in range(4):
+            _, timing = runner.run_frame(x)
+            received = {step.name: step.received for step in timing.servers}
+            links.add(plan, received)
+            for name, seconds in received.items():
+                arrivals[name].append(seconds)
+    finally:
+        runner.close()
+    factors = links.factors()
+    assert set(factors) == {0}
+    assert 2.4 <= factors[0] <= 3.6, factors
+    predicted = sends(plan, dev.costs, with_links(told, factors))[1]
+    for i, name in enumerate(plan.servers):
+        want = statistics.median(arrivals[name])
+        assert abs(predicted[i] / want - 1) <= 0.2, (name, predicted[i], want)
+    # the probe's own rates were right here: a fit from them stays near 1
+    honest = Links(dev.costs, measured)
+    honest.add(plan, {name: statistics.median(v) for name, v in arrivals.items()})
+    assert 0.8 <= honest.factors()[0] <= 1.25, honest.factors()
+
+
+def test_plans_of_other_kinds_and_the_device_are_not_fitted(paced_device):
+    dev = paced_device
+    links = Links(dev.costs, dev.measured.rates())
+    from deepco.planning.staged import offload_plan_on
+
+    links.add(offload_plan_on("s0", 0), {"s0": 0.5})
+    assert links.factors() == {}
+
+
+def test_bands_sized_on_the_fitted_antennas_are_faster_on_them_than_bands_sized_on_the_probes():
+    """What the fit is for: the first stage is sized to the windows' arrivals (`refine`: the servers whose
+    windows come first take more rows). Where the antennas carry windows otherwise than probed, the plan made on
+    the fitted rates is predicted faster on them than the plan made on the probe's (four servers, two antennas,
+    ResNet-18's first two stages at 720x128)."""
+    from deepco.partition import Partitioner, load_model
+    from deepco.planning.staged import CostModel, Rates, predict
+
+    costs = CostModel(Partitioner(load_model("resnet18", 720, 128), 720, 128), 3 * 720 * 128, 4000)
+    probe = Rates(dict.fromkeys(["s0", "s1", "s2", "s3"], 2e9), [2.5e6, 2.5e6], 0.005, 1e9, 1e8, 0.001)
+    for factors in ({1: 2.0}, {0: 1.5, 1: 1.5}, {0: 0.6}):
+        truth = with_links(probe, factors)
+        made = {}
+        for name, rates in (("probe", probe), ("fitted", truth)):
+            plan = split_plan(costs, rates, ["s0", "s1", "s2", "s3"], ["layer1", "layer2"], True, "s0", stream=False)
+            made[name] = refine(plan, costs, rates, stream=False)
+        assert made["fitted"].bands[1] != made["probe"].bands[1], factors
+        assert predict(made["fitted"], costs, truth)["frame"] < predict(made["probe"], costs, truth)["frame"], factors
