@@ -12,7 +12,7 @@ from deepco_device.session import Device
 
 from deepco.cluster import parse_cluster
 from deepco.planning.links import Links, with_links
-from deepco.planning.staged import refine, sends, split_plan
+from deepco.planning.staged import refine, sends, split_plan, streamed
 
 MBPS = 8.0  # paced (EMULATED): slow enough that the bytes, not the requests' fixed cost, set the arrivals
 
@@ -62,13 +62,22 @@ def test_the_fit_finds_how_much_slower_an_antenna_carries_windows_than_the_rates
     assert 0.8 <= honest.factors()[0] <= 1.25, honest.factors()
 
 
-def test_plans_of_other_kinds_and_the_device_are_not_fitted(paced_device):
-    dev = paced_device
-    links = Links(dev.costs, dev.measured.rates())
-    from deepco.planning.staged import offload_plan_on
+def test_offloads_and_windows_streamed_in_sub_bands_are_not_fitted(paced_device):
+    """An offload's runner does not see its input arrive, and a streamed window's rest is acknowledged when its
+    server, busy on its first sub-band, takes it: neither says what the antenna carried."""
+    from deepco.planning.staged import offload_plan_on, streaming
 
+    dev = paced_device
+    measured = dev.measured.rates()
+    links = Links(dev.costs, measured)
     links.add(offload_plan_on("s0", 0), {"s0": 0.5})
+    plan = split_plan(dev.costs, measured, ["s0", "s1"], ["layer1"], True, None, stream=False)
+    parted = streaming(plan, dev.costs, 0.5)
+    assert all(streamed(parted)), parted.describe()
+    links.add(parted, {"s0": 5.0, "s1": 5.0})
     assert links.factors() == {}
+    links.add(plan, {"s0": 5.0, "s1": 5.0})  # the same windows sent whole: fitted
+    assert links.factors()[0] > 1
 
 
 def test_bands_sized_on_the_fitted_antennas_are_faster_on_them_than_bands_sized_on_the_probes():
