@@ -32,6 +32,7 @@ from pathlib import Path
 from deepco_device.backpressure import while_busy
 from deepco_device.records import Measurements
 
+from deepco.planning.links import LINK_BOUNDS
 from deepco.planning.staged import DEVICE, StagedPlan
 from deepco.wire.security import ChannelSecurity, read_pem
 
@@ -56,6 +57,15 @@ class Cached:
     probe_ratio: float | None = None  # setup's model/probe speed ratio, for servers measured later; None: unknown
     balance: dict[str, float] = field(default_factory=dict)  # the servers' slowness against each other (fitted)
     links: dict[int, float] = field(default_factory=dict)  # each antenna's time against its probe's (fitted)
+
+
+def _links(data: dict) -> dict[int, float]:
+    """A cache file's fitted antenna factors (`deepco.planning.links`), each within ``LINK_BOUNDS``."""
+    links = {int(k): float(v) for k, v in data.items()}
+    low, high = LINK_BOUNDS
+    if not all(low <= v <= high for v in links.values()):
+        raise ValueError(f"its antenna factors {links} are not all within {low:g}-{high:g}")
+    return links
 
 
 def _digest(data: bytes) -> str:
@@ -141,7 +151,7 @@ class PlanCache:
                             float(data["compute_scale"]), float(data["step_overhead"]),
                             None if ratio is None else float(ratio),
                             {str(k): float(v) for k, v in data.get("balance", {}).items()},
-                            {int(k): float(v) for k, v in data.get("links", {}).items()})
+                            _links(data.get("links", {})))
             names = {s["name"] for s in key["servers"]}
             measured = set(cached.measured.server_flops_per_second)
             if not set(cached.plan.servers) <= names | {DEVICE} or measured != names:

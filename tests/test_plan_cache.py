@@ -110,9 +110,11 @@ def test_a_warm_start_runs_the_cached_plan_without_measuring_or_calibrating(caps
         assert "calibration (planned)" in off and "plan cache" not in off
         assert (written.read_bytes(), written.stat().st_mtime_ns) == before and list(folder.iterdir()) == [written]
 
-        # a file that cannot be read, or that another format wrote: one warning line, and the run goes on cold
+        # a file that cannot be read, or that another format wrote, or whose fitted antenna factor would divide a
+        # rate by zero: one warning line, and the run goes on cold
+        zero = json.dumps(json.loads(written.read_text()) | {"links": {"0": 0.0}})
         for content, why in [(written.read_text()[:100], "unreadable"), ('{"format": 999}', "written in format 999"),
-                             ("[1, 2]", "unreadable (not a JSON object)")]:
+                             ("[1, 2]", "unreadable (not a JSON object)"), (zero, "antenna factors")]:
             written.write_text(content)
             out = run(capsys, cluster, net, frames=SHORT)
             warnings = [line for line in out.splitlines() if line.startswith("warning: plan cache")]
