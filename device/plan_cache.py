@@ -60,7 +60,8 @@ class Cached:
 
 
 def _links(data: dict) -> dict[int, float]:
-    """A cache file's fitted antenna factors (`deepco.planning.links`), each within ``LINK_BOUNDS``."""
+    """A cache file's fitted antenna factors and streamed windows' rests' factor (`deepco.planning.links`), each
+    within ``LINK_BOUNDS``."""
     links = {int(k): float(v) for k, v in data.items()}
     low, high = LINK_BOUNDS
     if not all(low <= v <= high for v in links.values()):

@@ -11,7 +11,7 @@ from deepco_device.runners import StagedRunner
 from deepco_device.session import Device
 
 from deepco.cluster import parse_cluster
-from deepco.planning.links import Links, with_links
+from deepco.planning.links import REST, Links, with_links
 from deepco.planning.staged import refine, sends, split_plan, streamed
 
 MBPS = 2.0  # paced (EMULATED): slow enough that the bytes, not the requests' fixed cost, set the arrivals (at 8
@@ -63,22 +63,50 @@ def test_the_fit_finds_how_much_slower_an_antenna_carries_windows_than_the_rates
     assert 0.8 <= honest.factors()[0] <= 1.25, honest.factors()
 
 
-def test_offloads_and_windows_streamed_in_sub_bands_are_not_fitted(paced_device):
+def test_offloads_are_not_fitted_and_streamed_windows_fit_their_rests_not_the_antennas(paced_device):
     """An offload's runner does not see its input arrive, and a streamed window's rest is acknowledged when its
-    server, busy on its first sub-band, takes it: neither says what the antenna carried."""
+    server, busy on its first sub-band, takes it: that says how slowly rests cross (``REST``), not what the
+    antenna carries."""
     from deepco.planning.staged import offload_plan_on, streaming
 
     dev = paced_device
     measured = dev.measured.rates()
     links = Links(dev.costs, measured)
     links.add(offload_plan_on("s0", 0), {"s0": 0.5})
+    assert links.factors() == {}
     plan = split_plan(dev.costs, measured, ["s0", "s1"], ["layer1"], True, None, stream=False)
     parted = streaming(plan, dev.costs, 0.5)
     assert all(streamed(parted)), parted.describe()
     links.add(parted, {"s0": 5.0, "s1": 5.0})
-    assert links.factors() == {}
-    links.add(plan, {"s0": 5.0, "s1": 5.0})  # the same windows sent whole: fitted
-    assert links.factors()[0] > 1
+    assert set(links.factors()) == {REST} and links.factors()[REST] > 1
+    links.add(plan, {"s0": 5.0, "s1": 5.0})  # the same windows sent whole: the antenna is fitted
+    assert links.factors()[0] > 1 and REST in links.factors()
+
+
+def test_the_rests_slowdown_is_found_on_top_of_the_antennas_and_makes_the_unstreamed_twin_the_faster():
+    """Arrivals made by the send model itself with an antenna 1.5x slower than probed and rests that hold it
+    2.5x as long as their bytes: the fit finds both (within two grid steps), and on the fitted rates the plan
+    that sends its windows whole is predicted faster than its streamed twin, which on the probe's rates was
+    predicted the faster (ResNet-18's first two stages at 720x128, four servers on two antennas)."""
+    from deepco.partition import Partitioner, load_model
+    from deepco.planning.staged import CostModel, Rates, predict, streaming, unstreamed
+
+    costs = CostModel(Partitioner(load_model("resnet18", 720, 128), 720, 128), 3 * 720 * 128, 4000)
+    probe = Rates(dict.fromkeys(["s0", "s1", "s2", "s3"], 2e9), [2.5e5, 2.5e5], 0.005, 1e9, 1e8, 0.001)
+    plan = refine(split_plan(costs, probe, ["s0", "s1", "s2", "s3"], ["layer1", "layer2"], True, "s0", stream=False),
+                  costs, probe, stream=False)
+    parted = streaming(plan, costs, 0.5)
+    assert any(streamed(parted)) and unstreamed(parted).overlap != parted.overlap, parted.describe()
+    assert predict(parted, costs, probe)["frame"] < predict(plan, costs, probe)["frame"]
+    truth = with_links(probe, {0: 1.5, 1: 1.5, REST: 2.5})
+    links = Links(costs, probe)
+    for p in (plan, parted):
+        links.add(p, dict(zip(p.servers, sends(p, costs, truth)[1], strict=True)))
+    fit = links.factors()
+    step = (4.0 / 0.25) ** (2 / 159)
+    assert all(k / step <= fit[m] <= k * step for m, k in ((0, 1.5), (1, 1.5), (REST, 2.5))), fit
+    fitted = with_links(probe, fit)
+    assert predict(plan, costs, fitted)["frame"] < predict(parted, costs, fitted)["frame"]
 
 
 def test_bands_sized_on_the_fitted_antennas_are_faster_on_them_than_bands_sized_on_the_probes():

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from deepco.planning.links import Links, with_links
+from deepco.planning.links import REST, Links, with_links
 from deepco.planning.live_rates import work_of
 from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps, unstreamed
 
@@ -280,7 +280,7 @@ class Calibrated:
     step_overhead: float
     trials: list[dict]
     balance: dict[str, float] = field(default_factory=dict)  # `Balance.factors` at the end
-    links: dict[int, float] = field(default_factory=dict)  # `deepco.planning.links.Links.factors` at the end
+    links: dict[int, float] = field(default_factory=dict)  # `deepco.planning.links.Links.factors` at the end (and REST)
 
 
 def plan_key(plan: StagedPlan) -> str:
@@ -380,8 +380,10 @@ class _Bench:
                            | ({"links": {str(m): k for m, k in links.items()}} if links else {}))
         slowness = (", servers' slowness against each other " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
             factors.items()))) if factors else ""
+        antennas = {m: k for m, k in links.items() if m != REST}
         slowness += (", antennas' time against the probe's " + ", ".join(f"{m} {k:.2f}" for m, k in sorted(
-            links.items()))) if links else ""
+            antennas.items()))) if antennas else ""
+        slowness += f", streamed windows' rests' time against their bytes' {links[REST]:.2f}" if REST in links else ""
         self.log(f"calibration ({note}): {plan.describe()}: predicted {plan.predicted * 1e3:.1f} ms, "
                  f"measured {self.timed[key].mean * 1e3:.1f} ms; now compute scale "
                  f"{self.scale:.2f}, step overhead {self.overhead * 1e3:.2f} ms{slowness}")

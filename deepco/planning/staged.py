@@ -63,6 +63,10 @@ class Rates:
     # fixed cost of one server step (a stage, a gather, an offload): the message, the ORT call and Python
     # under the server's CPU share; fitted at setup from timed frames (deepco.planning.calibration.calibrate)
     step_overhead: float = 0.0
+    # how many times longer than its antenna's rate says the rest of a streamed window (`streamed`) takes to
+    # reach its server: the server takes it on the CPU quota it computes its first sub-band on, and the
+    # antenna waits for it meanwhile; fitted from frames (deepco.planning.links), 1 until then
+    rest_slowdown: float = 1.0
 
     def to_dict(self) -> dict:
         """JSON form."""
@@ -305,7 +309,8 @@ def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates,
     one after another, and a first message only once the one before it on the antenna was acknowledged (as
     the device's sender does: a request's round trip, ``request_overhead``, lies between two servers' windows).
     ``sizes``: each participant's first message; ``follow``: the bytes of its window that follow it (a
-    streamed window, `streamed`; none by default), sent once every first message has gone, back to back."""
+    streamed window, `streamed`; none by default), sent once every first message has gone, back to back, each
+    ``rates.rest_slowdown`` times as long on its antenna as its bytes alone take."""
     follow = list(follow) or [0] * len(plan.servers)
     cpu = 0.0
     free = [0.0] * len(rates.antenna_bytes_per_second)
@@ -318,7 +323,8 @@ def _send_schedule(plan: StagedPlan, sizes: Sequence[int], rates: Rates,
         cpu += nbytes * rates.device_seconds_per_byte
         m = plan.antennas[i]
         start = max(free[m], cpu)
-        free[m] = start + nbytes / rates.antenna_bytes_per_second[m]
+        free[m] = start + nbytes / rates.antenna_bytes_per_second[m] * (1.0 if times is arrived else
+                                                                          rates.rest_slowdown)
         times[i] = free[m] + rates.request_overhead
         if times is arrived:
             free[m] = times[i]
