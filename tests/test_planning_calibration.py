@@ -350,14 +350,15 @@ def test_balance_leaves_out_the_first_level_where_the_frame_says_what_it_took(co
     server's first-level seconds, Balance finds s1 faster; counting the whole frame it cannot."""
     from dataclasses import replace
 
-    from deepco.planning.calibration import Balance, first_level_flops
+    from deepco.planning.calibration import Balance
+    from deepco.planning.live_rates import stage_flops
 
     r = rates()
     split = split_plan(costs, r, ["s0", "s1"], ["layer1", "layer3"], True, "s0")
     speeds = r.server_flops_per_second
     later = replace(r, server_flops_per_second={"s0": speeds["s0"], "s1": 1.25 * speeds["s1"]})
     computes = _split_computes(split, costs, later)
-    first = {name: first_level_flops(split, costs, i) / later.server_flops_per_second[name]
+    first = {name: stage_flops(split, costs, 1, i) / later.server_flops_per_second[name]
              for i, name in enumerate(split.servers)}
     # s1's first level slowed until its whole frame takes as long against setup's rate as s0's
     setup = _split_computes(split, costs, r)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from deepco.planning.links import REST, Links, with_links
-from deepco.planning.live_rates import work_of
+from deepco.planning.live_rates import stage_flops, work_of
 from deepco.planning.staged import DEVICE, CostModel, Rates, StagedPlan, local_plan, predict, steps, unstreamed
 
 SCALE_BOUNDS = (0.25, 4.0)  # a model's FLOP rate within 4x of the profiled head's, either way
@@ -106,7 +106,7 @@ class Balance:
                 continue
             # a server that timed no phases (an older one) is counted whole
             mine = skip and first.get(name, 0.0) > 0
-            flops = work.flops - (first_level_flops(plan, self.costs, i) if mine else 0)
+            flops = work.flops - (stage_flops(plan, self.costs, 1, i) if mine else 0)
             seconds -= first[name] if mine else 0.0
             if seconds > 0 and flops / rate >= BALANCE_LEAST_STAGE_SECONDS * (len(plan.levels) - mine):
                 self.slowness.setdefault(name, []).append(seconds / (flops / rate))
@@ -120,13 +120,6 @@ class Balance:
         mean = math.exp(statistics.fmean(math.log(m) for m in medians.values()))
         low, high = BALANCE_BOUNDS
         return {name: min(high, max(low, m / mean)) for name, m in medians.items()}
-
-
-def first_level_flops(plan: StagedPlan, costs: CostModel, i: int) -> int:
-    """FLOPs of participant ``i``'s band of ``plan``'s first level (its window's, halo included)."""
-    if plan.kind == "scales":
-        return costs.stage_window(plan.levels, 1, *plan.bands[1][i]).flops
-    return costs.window(None, plan.levels[0], *plan.bands[1][i]).flops
 
 
 def _overhead_for(timed: Sequence[Timed], bases: list[float]) -> float:

@@ -275,20 +275,22 @@ class Work:
     sent_bytes: int
 
 
+def stage_flops(plan, costs, j: int, i: int) -> int:
+    """FLOPs of participant ``i``'s band of level ``j`` (1-based) of ``plan`` (a split's or a plan across
+    scales'), its window's: the halo included."""
+    if plan.kind == "scales":  # stages across scales: image-row bands of stages between levels
+        return costs.stage_window(plan.levels, j, *plan.bands[j][i]).flops
+    return costs.window(None if j == 1 else plan.levels[j - 2], plan.levels[j - 1], *plan.bands[j][i]).flops
+
+
 def work_of(plan, costs) -> list[Work]:
     """Per participant of ``plan`` (a StagedPlan; its servers in order, an offload's one server), its work:
     every segment of its band, and the tail where it runs it; a plan without servers has none."""
     if not plan.levels:  # local, offload, round-robin: the whole model where it runs
         return [Work(costs.total_flops, costs.input_bytes) for _ in plan.servers]
-    names: list[str | None] = [None, *plan.levels]
     out = []
-    def stage(j: int, i: int):
-        if plan.kind == "scales":  # stages across scales: image-row bands of stages between levels
-            return costs.stage_window(plan.levels, j, *plan.bands[j][i])
-        return costs.window(names[j - 1], names[j], *plan.bands[j][i])
-
     for i, server in enumerate(plan.servers):
-        flops = sum(stage(j, i).flops for j in range(1, len(names)))
+        flops = sum(stage_flops(plan, costs, j, i) for j in range(1, len(plan.levels) + 1))
         if plan.tail == server:
             flops += costs.tail_flops(plan.levels[-1])
         a, b = plan.windows[0][i]
