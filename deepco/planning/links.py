@@ -62,12 +62,12 @@ class Links:
         window (for a window streamed in sub-bands: its rest)."""
         if plan.kind not in ("split", "scales"):
             return
-        rests = {s: rest is not None for s, rest in zip(plan.servers, streamed(plan), strict=True) if s != DEVICE}
+        is_streamed = {s: r is not None for s, r in zip(plan.servers, streamed(plan), strict=True) if s != DEVICE}
         key = repr((plan.servers, plan.antennas, plan.order, plan.windows[:1], plan.overlap[1:2]))
         _, whole, rest = self._frames.setdefault(key, (plan, {}, {}))
         for name, seconds in arrivals.items():
-            if name in rests and seconds > 0:
-                (rest if rests[name] else whole).setdefault(name, []).append(seconds)
+            if name in is_streamed and seconds > 0:
+                (rest if is_streamed[name] else whole).setdefault(name, []).append(seconds)
                 self._fit = None
 
     def factors(self) -> dict[int, float]:
