@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
     from deepco_device.feed import TakenFeed
-    from deepco_device.preprocess import normalise, pixels
+    from deepco_device.preprocess import pixels
     from deepco_device.session import Device
     from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     def prepare(frame: np.ndarray) -> np.ndarray:
         px = pixels(frame, height, width, how)
-        results.saved.input(normalise(px, how))  # what the unpartitioned model takes
+        results.saved.input(px)
         if results.annotated is not None:
             results.annotated.entered(px)
         return px
@@ -221,7 +221,7 @@ class Results:
 
         self.args, self.shown = args, shown
         self.progress = Progress()  # a bar on stderr while setting up and calibrating, where it is a terminal
-        self.saved = Saved(args.save_outputs)
+        self.saved = Saved(args.save_outputs, shown.how)
         self.log_file = open(args.json_log, "w") if args.json_log else None  # noqa: SIM115 - closed by close()
         self.report = Report(0.0, args.depth, self.log_file)
         self.annotated = None  # --annotate's video (device.annotate.Annotated)

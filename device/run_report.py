@@ -13,7 +13,10 @@ from collections.abc import Iterator
 
 import numpy as np
 from deepco_device.feed import Dropped
+from deepco_device.preprocess import normalise
 from deepco_device.records import FrameResult
+
+from deepco.modelcard import IMAGENET, Preprocessing
 
 # of the device's health events, those the JSON log gets (a line each): servers down and up, and live
 # adaptation's change points, the plans on the servers it passed over, searches that kept the plan and switches
@@ -147,17 +150,20 @@ class Report:
 
 class Saved:
     """``--save-outputs``: the inputs of the frames that entered the pipeline (dropped ones never did) and
-    their outputs (NaN rows for a failed frame), written as one .npz (`saved_outputs`)."""
+    their outputs (NaN rows for a failed frame), written as one .npz (`saved_outputs`). The inputs are written
+    as the unpartitioned model takes them (``how``'s normalisation in float32)."""
 
-    def __init__(self, path: str | None):
-        self.path = path
-        self.inputs: list[np.ndarray] = []
+    def __init__(self, path: str | None, how: Preprocessing = IMAGENET):
+        self.path, self.how = path, how
+        # Kept as the uint8 pixels and normalised only when written: a float32 copy of every frame costs a
+        # weak camera's CPU on every frame (most runs save nothing) and takes four times the memory.
+        self.pixels: list[np.ndarray] = []
         self.outputs: list[dict[str, np.ndarray] | None] = []  # per frame, None for a failed one
 
-    def input(self, x: np.ndarray) -> None:
-        """A frame entering (in order: the pipeline takes frames one at a time)."""
+    def input(self, px: np.ndarray) -> None:
+        """A frame's pixels entering (in order: the pipeline takes frames one at a time)."""
         if self.path:
-            self.inputs.append(x)
+            self.pixels.append(px)
 
     def output(self, result: FrameResult) -> None:
         """A frame's result, in order."""
@@ -169,7 +175,8 @@ class Saved:
         if not self.path:
             return
         empty = np.zeros((0, channels, height, width))
-        np.savez(self.path, inputs=np.concatenate(self.inputs) if self.inputs else empty,
+        inputs = np.concatenate([normalise(px, self.how) for px in self.pixels]) if self.pixels else empty
+        np.savez(self.path, inputs=inputs,
                  **saved_outputs(self.outputs))
 
 
