@@ -440,6 +440,12 @@ class Testbed:
         if self.kernel:
             self._make_cgroup("dev", self.spec.device_cpu)
 
+    def lift_device_cpu_limit(self) -> None:
+        """Take the device's quota off again: a next run in the same testbed sets up, as the first did, before
+        its quota applies (bench/plan_run.py)."""
+        if self.kernel:
+            self._make_cgroup("dev", None)
+
     def _cgroup(self, who: str) -> Path:
         assert self.cgroups is not None
         return self.cgroups / f"{self.prefix}-{who}"
