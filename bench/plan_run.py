@@ -47,7 +47,11 @@ PHOTO = Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"  #
 def plan_file(spec: str, workdir: Path, k: int) -> tuple[Path, str]:
     """A plan file `deepco run --plan` reads, from a plan file or FILE.json@K[:whole]; (path, its label)."""
     if "@" not in spec:
-        return Path(spec), Path(spec).name
+        try:
+            json.loads(Path(spec).read_text())["plan"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{spec}: not a plan file (deepco run --save-plan writes one): {exc}") from None
+        return Path(spec), spec
     path, _, which = spec.rpartition("@")
     repeat, _, variant = which.partition(":")
     try:
@@ -136,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="where the logs go (default: a new temporary folder)")
     p.add_argument("--json", metavar="FILE", help="write every run's figures here")
     args = p.parse_args(argv)
-    if args.frames <= args.skip or args.rounds < 1:
-        raise SystemExit("plan_run: --frames must exceed --skip, and --rounds be at least 1")
+    if args.frames <= args.skip or args.skip < 0 or args.rounds < 1:
+        p.error("--frames must exceed --skip (at least 0), and --rounds be at least 1")
     try:
         return _run(args)
     except UserError as exc:
@@ -165,6 +169,8 @@ def _run(args: argparse.Namespace) -> int:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = []
     with Testbed(spec, defer_cpu_limits=True) as tb:
+        if not tb.kernel:  # app-level pacing instead of tc and quotas: not the testbed the bench measures on
+            raise UserError(f"plan_run needs the kernel testbed (root, ip and tc); here: {tb.label}")
         print(f"{tb.label}\n{args.model} {args.input_size}, {args.frames} frames a run (first {args.skip} left "
               f"out), {args.rounds} round(s); {MACHINE}, {started}", flush=True)
         cluster, _ = start_servers(tb, workdir, "plans")
@@ -174,9 +180,10 @@ def _run(args: argparse.Namespace) -> int:
                 log = workdir / f"run-{len(runs)}.jsonl"
                 figures = one_run(tb, cluster, path, log, args)
                 runs.append({"plan": label, "round": r + 1, "log": str(log), **figures})
-                print(f"round {r + 1} {label}: p50 {figures['p50_ms']} ms (mean {figures['mean_ms']}), windows in "
-                      f"{figures['window_in_ms']}, first level ends {figures['first_level_end_ms']}, step overhead "
-                      f"less halo {figures['step_overhead_less_halo_ms']} ms", flush=True)
+                failed = f", {figures['failed']} frame(s) FAILED" if figures["failed"] else ""
+                print(f"round {r + 1} {label}: p50 {figures['p50_ms']} ms (mean {figures['mean_ms']}{failed}), "
+                      f"windows in {figures['window_in_ms']}, first level ends {figures['first_level_end_ms']}, "
+                      f"step overhead less halo {figures['step_overhead_less_halo_ms']} ms", flush=True)
     for _, label in plans:
         p50s = [x["p50_ms"] for x in runs if x["plan"] == label]
         print(f"{label}: p50 median over rounds {statistics.median(p50s):.1f} ms ({', '.join(map(str, p50s))}) "

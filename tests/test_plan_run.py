@@ -70,3 +70,12 @@ def test_a_bad_plan_reference_is_one_line_and_builds_no_testbed(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().count("\n") == 0 and "':whole'" in done.stderr
     assert not (tmp_path / "server-0.log").exists()
+
+
+def test_a_file_that_is_no_plan_is_named_in_one_line(tmp_path):
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"points": []}')
+    done = subprocess.run([sys.executable, str(SCRIPT), str(bad), str(tmp_path / "missing.json"), "--workdir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "notes.json: not a plan file" in done.stderr and done.stderr.strip().count("\n") == 0
