@@ -46,7 +46,7 @@ from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on, streamed
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, SplitJob, WrongAnswer
-from deepco.wire.split_jobs import job_request, rest_message
+from deepco.wire.split_jobs import input_rows, job_request, job_skeleton, request_bytes, rest_message
 from deepco.wire.step_times import StepClock
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class StagedRunner:
         self.held: list[tuple[str, str]] = []  # (server, model) this runner uploaded: `close` gives them back
         self.loads: list[tuple[Any, str, bytes]] = []  # (client, name, bytes) of each: loaded again if evicted
         self._reloading = threading.Lock()  # one reload at a time (frames in flight may all find models gone)
+        self._skeletons: dict[int, bytes] = {}  # a split's serialized requests but job id and rows, by participant
         try:
             self._prepare()
         except BaseException:
@@ -446,13 +447,25 @@ class SplitRunner(StagedRunner):
         """Per participant, the rows of its window sent after its request (a streamed window), or None."""
         return streamed(self.plan)
 
+    def tables(self, i: int) -> dict[str, Any]:
+        """Participant ``i``'s request but its job id and rows (deepco.wire.split_jobs.job_skeleton's arguments)."""
+        plan = self.plan
+        return dict(segment_models=self.segment_names, peers=self.peers, bands=plan.bands, windows=plan.windows,
+                    crops=plan.crops, exchange_timeout=self.exchange_timeout, lookahead=plan.lookahead,
+                    tail=plan.servers.index(plan.tail) if plan.tail else None, tail_model=self.tail_name,
+                    parts=plan.overlap, rest=self.rests[i])
+
     def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
         """The SplitRequest of participant ``i`` for frame ``x`` under job id ``job`` (deepco.wire.split_jobs)."""
-        plan = self.plan
-        return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
-                           windows=plan.windows, crops=plan.crops, image=x, exchange_timeout=self.exchange_timeout,
-                           lookahead=plan.lookahead, tail=plan.servers.index(plan.tail) if plan.tail else None,
-                           tail_model=self.tail_name, parts=plan.overlap, rest=self.rests[i])
+        return job_request(job, i, image=x, **self.tables(i))
+
+    def request_bytes(self, job: str, i: int, x: np.ndarray) -> bytes:
+        """`request` serialized, from participant ``i``'s skeleton serialized once per runner: a frame's
+        request costs the camera one copy of its window and no message building."""
+        skeleton = self._skeletons.get(i)
+        if skeleton is None:
+            skeleton = self._skeletons[i] = job_skeleton(i, **self.tables(i)).SerializeToString()
+        return request_bytes(skeleton, job, x, input_rows(self.plan.windows, i, self.rests[i]))
 
     def _run_frame(self, x: np.ndarray) -> tuple[Outputs, FrameTiming]:
         start = time.perf_counter()
@@ -503,7 +516,7 @@ class SplitRunner(StagedRunner):
                     a, b = plan.windows[0][i]
                     paced(began, ((rests[i] or (b, b))[0] - a) * self.row_bytes,
                           dev.measured.antenna_bytes_per_second[m])
-                handle = client.start_split(self.request(job, i, x), timeout=self.timeout)
+                handle = client.start_split_bytes(self.request_bytes(job, i, x), timeout=self.timeout)
                 self._inflight.add(handle.call, plan.servers[i])
                 calls.callback(self._inflight.discard, handle.call)
                 with sends.lock:
@@ -653,15 +666,15 @@ class ScalesRunner(SplitRunner):
         out = [(server, data) for server in plan.servers for data in parts["stages_bytes"]]
         return out + ([(plan.tail, parts["tail_bytes"])] if plan.tail is not None else [])
 
-    def request(self, job: str, i: int, x: np.ndarray) -> dpb.SplitRequest:
-        """Participant ``i``'s request: its window (or band) of the image, and every level's tensor tables."""
+    def tables(self, i: int) -> dict[str, Any]:
+        """Participant ``i``'s request but its job id and rows: its window (or band) of the image's place, and
+        every level's tensor tables."""
         plan = self.plan
-        return job_request(job, i, segment_models=self.segment_names, peers=self.peers, bands=plan.bands,
-                           windows=plan.windows, crops=[[0] * len(plan.servers) if j else [] for j in
-                                                        range(len(plan.bands))], image=x,
-                           exchange_timeout=self.exchange_timeout, lookahead=plan.lookahead,
-                           tail=plan.servers.index(plan.tail) if plan.tail else None, tail_model=self.tail_name,
-                           tensors=plan.tensors)
+        return dict(segment_models=self.segment_names, peers=self.peers, bands=plan.bands, windows=plan.windows,
+                    crops=[[0] * len(plan.servers) if j else [] for j in range(len(plan.bands))],
+                    exchange_timeout=self.exchange_timeout, lookahead=plan.lookahead,
+                    tail=plan.servers.index(plan.tail) if plan.tail else None, tail_model=self.tail_name,
+                    tensors=plan.tensors)
 
     def _finish(self, results: dict[int, tuple[dpb.SplitResult, float]], own_band: Any,
                 collected: float) -> tuple[Outputs, float, float]:

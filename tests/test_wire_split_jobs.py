@@ -6,8 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.rows import decode_rows
-from deepco.wire.split_jobs import from_rows, gather_field, gatherer, job_request, rows_shape, to_rows
+from deepco.wire.split_jobs import (
+    from_rows,
+    gather_field,
+    gatherer,
+    input_rows,
+    job_request,
+    job_skeleton,
+    request_bytes,
+    rows_shape,
+    to_rows,
+)
 
 
 @pytest.mark.parametrize("tail", [None, 0, 1, 2])
@@ -44,3 +55,34 @@ def test_a_participant_gets_its_window_of_the_image_and_the_tail_only_if_it_gath
     assert first.tail_model == "" and second.tail_model == "tail" and second.gather_to == 2
     assert [(r.start, r.stop) for r in second.levels[1].window] == windows[1] and list(second.levels[1].crop) == [0, 1]
     assert not second.levels[0].window  # level 0's windows are what the device sends, not part of the level
+
+
+@pytest.mark.parametrize("index, rest, tensors, parts", [
+    (0, None, (), ()),  # a window from row 0: its start is the default, not on the wire
+    (1, None, (), ()),  # the gatherer
+    (1, (8, 10), (), ()),  # a streamed window: the request carries the rows above its rest
+    (0, None, ({}, {"t": {"owned": [(0, 3), (3, 5)], "crop": [0, 1], "window": [(0, 4), (2, 5)]}}), ()),
+    (1, None, (), ([], [[], [((3, 4), (2, 5), 1), ((4, 5), (3, 5), 2)]])),  # its segment's runs
+])
+@pytest.mark.parametrize("layout", ["contiguous", "a transposed view"])
+def test_the_request_as_wire_bytes_is_the_request_built_as_a_message(index, rest, tensors, parts, layout):
+    rng = np.random.default_rng(index)
+    image = rng.integers(0, 256, (1, 3, 10, 6), dtype=np.uint8)
+    if layout != "contiguous":  # the same pixels, not C-contiguous
+        image = np.ascontiguousarray(image.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    tables = dict(segment_models=["seg"], peers=["a:1", "b:2"], bands=[[(0, 5), (5, 10)], [(0, 3), (3, 5)]],
+                  windows=[[(0, 7), (3, 10)], [(0, 4), (2, 5)]], crops=[[0, 0], [0, 1]], exchange_timeout=5.0,
+                  lookahead=True, tail=1, tail_model="tail", tensors=tensors, parts=parts, rest=rest)
+    skeleton = job_skeleton(index, **tables).SerializeToString()
+    wire = request_bytes(skeleton, "job-7", image, input_rows(tables["windows"], index, rest))
+    built = job_request("job-7", index, image=image, **tables)
+    parsed = dpb.SplitRequest.FromString(wire)
+    assert parsed == built
+    rows, start = decode_rows(parsed.input)
+    a, b = input_rows(tables["windows"], index, rest)
+    assert start == a and np.array_equal(rows, image[:, :, a:b, :])
+
+
+def test_a_frame_of_another_rank_is_refused_before_any_bytes_are_made():
+    with pytest.raises(ValueError, match="1xCxHxW"):
+        request_bytes(b"", "job", np.zeros((3, 10, 6), np.uint8), (0, 2))

@@ -142,6 +142,7 @@ class SplitJob:
 # gRPC Python's option (EXPERIMENTAL there) to drive a unary-stream call's completion queue from the thread that
 # reads its responses, instead of a channel-wide polling thread started whenever no call is in flight
 SINGLE_THREADED = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+SPLIT_RUN = "/deepco.DeepcoService/SplitRun"  # the method's path, as the generated stub names it
 
 
 class InferenceClient:
@@ -159,6 +160,9 @@ class InferenceClient:
         self.channel = make_channel(address, self.security, (*GRPC_MESSAGE_OPTIONS, SINGLE_THREADED))
         self.inference = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.deepco = dpb_grpc.DeepcoServiceStub(self.channel)
+        # SplitRun with a request already serialized (`deepco.wire.split_jobs.request_bytes`): gRPC sends the bytes
+        self._split_run_bytes = self.channel.unary_stream(SPLIT_RUN, request_serializer=None,
+                                                          response_deserializer=dpb.RunEvent.FromString)
         self._input_names: dict[str, str] = {}
         self.bytes_sent = 0  # serialised request bytes this client sent (`_sent`): what setup costs a radio
         self._sent_lock = threading.Lock()
@@ -363,6 +367,13 @@ class InferenceClient:
         """Start this server's part of a split job; the handle reads its events (nothing is waited for here)."""
         return SplitJob(self.address, self.deepco.SplitRun(self._sent(request), timeout=self.timeout if timeout is None
                                                             else timeout))
+
+    def start_split_bytes(self, request: bytes, timeout: float | None = None) -> SplitJob:
+        """`start_split` with the request already serialized (`deepco.wire.split_jobs.request_bytes`)."""
+        with self._sent_lock:
+            self.bytes_sent += len(request)
+        return SplitJob(self.address, self._split_run_bytes(request, timeout=self.timeout if timeout is None
+                                                             else timeout))
 
     def send_rows(self, message: dpb.RowsMessage, timeout: float | None = None) -> Callable[[], int]:
         """Send rows of a split job to this server, as a peer sends them (SplitExchange, one message): the rest

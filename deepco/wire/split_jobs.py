@@ -68,20 +68,31 @@ def named_rows(outputs: Mapping[str, np.ndarray], into) -> None:
         encode_rows(array, 0, into=into.add(name=name).rows)
 
 
-def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers: Sequence[str],
-                bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
-                crops: Sequence[Sequence[int]], image: np.ndarray, exchange_timeout: float, lookahead: bool,
-                tail: int | None, tail_model: str, tensors: Sequence[LevelTables] = (),
-                parts: Sequence[Sequence[Sequence[Part]]] = (), rest: Interval | None = None) -> dpb.SplitRequest:
-    """Participant ``index``'s request of job ``job_id``. ``bands``, ``windows`` and ``crops`` are per level
-    (level 0 the image), then per participant; ``image`` is the whole frame (1xCxHxW), of which the
-    participant gets its window of level 0; ``tail_model`` goes only to the participant that gathers.
+def job_request(job_id: str, index: int, *, image: np.ndarray, **tables) -> dpb.SplitRequest:
+    """Participant ``index``'s request of job ``job_id``: its `job_skeleton` (``tables``) with the job id and its
+    window of level 0 from ``image``, the whole frame (1xCxHxW); a streamed window (``rest``) carries the rows
+    above its rest."""
+    request = job_skeleton(index, **tables)
+    request.job_id = job_id
+    a, b = input_rows(tables["windows"], index, tables.get("rest"))
+    encode_rows(image[:, :, a:b, :], a, into=request.input)  # the window's rows copied once, into the request
+    return request
+
+
+def job_skeleton(index: int, *, segment_models: Sequence[str], peers: Sequence[str],
+                 bands: Sequence[Sequence[Interval]], windows: Sequence[Sequence[Interval]],
+                 crops: Sequence[Sequence[int]], exchange_timeout: float, lookahead: bool,
+                 tail: int | None, tail_model: str, tensors: Sequence[LevelTables] = (),
+                 parts: Sequence[Sequence[Sequence[Part]]] = (), rest: Interval | None = None) -> dpb.SplitRequest:
+    """Participant ``index``'s request without a job id and without its rows: what every frame of a plan sends
+    it alike. ``bands``, ``windows`` and ``crops`` are per level (level 0 the image), then per participant;
+    ``tail_model`` goes only to the participant that gathers.
     ``tensors``: per level, its tensors' tables when levels have several (a plan across scales: bands and
     windows are then image rows).
     ``parts``: per level and participant, its segment's runs (deepco.planning.overlap); only the participant's
     own travel, the others' lists are left empty.
     ``rest``: the rows of the participant's window that follow the request (`rest_message`), where its window
-    is streamed; the request then carries the rows above them."""
+    is streamed."""
     levels = []
     for j in range(len(bands)):
         level = dpb.SplitLevel(owned=[dpb.RowRange(start=a, stop=b) for a, b in bands[j]])
@@ -99,16 +110,61 @@ def job_request(job_id: str, index: int, *, segment_models: Sequence[str], peers
         for name, t in tables.items():
             level.tensors.add(name=name, owned=[dpb.RowRange(start=a, stop=b) for a, b in t["owned"]],
                               crop=list(t["crop"]), window=[dpb.RowRange(start=a, stop=b) for a, b in t["window"]])
-    a, b = windows[0][index]
-    request = dpb.SplitRequest(job_id=job_id, segment_models=list(segment_models), server_index=index,
+    request = dpb.SplitRequest(segment_models=list(segment_models), server_index=index,
                                peers=list(peers), levels=levels, exchange_timeout_seconds=exchange_timeout,
                                lookahead=lookahead, gather_to=gather_field(tail),
                                tail_model=tail_model if tail == index else "")
     if rest is not None:
-        b = rest[0]
         request.input_rest.start, request.input_rest.stop = rest
-    encode_rows(image[:, :, a:b, :], a, into=request.input)  # the window's rows copied once, into the request
     return request
+
+
+def input_rows(windows: Sequence[Sequence[Interval]], index: int, rest: Interval | None = None) -> Interval:
+    """The rows of the image participant ``index``'s request carries: its window of level 0, or where the
+    window is streamed, the rows above its ``rest``."""
+    a, b = windows[0][index]
+    return (a, b) if rest is None else (a, rest[0])
+
+
+def request_bytes(skeleton: bytes, job_id: str, image: np.ndarray, rows: Interval) -> bytes:
+    """`job_request` as wire bytes from the participant's serialized `job_skeleton`: the job id and the rows
+    [a, b) of ``image`` (1xCxHxW) appended as further occurrences of their fields, which a parser
+    merges (protobuf's rule for a message concatenated to another; SplitRequest's ``input`` is a message, so its
+    two occurrences merge into one). The rows are copied once, straight from the frame into the bytes gRPC sends,
+    where building the message copied them into it, counting its size serialized it, and gRPC serialized it
+    again: three copies of a window on a camera's fraction of a core."""
+    a, b = rows
+    if image.ndim != 4 or image.shape[0] != 1:
+        raise ValueError(f"request_bytes takes a 1xCxHxW frame, got shape {list(image.shape)}")
+    image = np.ascontiguousarray(image)  # each channel's rows one run of bytes (a copy only if they are not)
+    head = dpb.SplitRequest(job_id=job_id)
+    encode_rows(image[:, :, a:a, :], a, into=head.input)  # its data type, its start; the shape is set below
+    head.input.shape[:] = (1, image.shape[1], b - a, image.shape[3])
+    planes = [memoryview(image[0, c, a:b, :]).cast("B") for c in range(image.shape[1])]  # one run of rows each
+    nbytes = sum(p.nbytes for p in planes)
+    data = _key(_ROWS_DATA) + _varint(nbytes)
+    framed = _key(_INPUT) + _varint(len(data) + nbytes) + data
+    return b"".join([skeleton, head.SerializeToString(), framed, *planes])
+
+
+_INPUT = dpb.SplitRequest.DESCRIPTOR.fields_by_name["input"].number
+_ROWS_DATA = dpb.Rows.DESCRIPTOR.fields_by_name["data"].number
+_LENGTH_DELIMITED = 2  # protobuf's wire type of bytes and messages
+
+
+def _varint(n: int) -> bytes:
+    """``n`` as a protobuf varint: seven bits a byte, low bits first, the high bit set on all but the last."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(field: int) -> bytes:
+    """The key of a length-delimited field: its number and wire type, as a varint."""
+    return _varint(field << 3 | _LENGTH_DELIMITED)
 
 
 def rest_message(job_id: str, index: int, image: np.ndarray, rest: Interval) -> dpb.RowsMessage:
