@@ -64,12 +64,14 @@ def test_a_participant_gets_its_window_of_the_image_and_the_tail_only_if_it_gath
     (0, None, ({}, {"t": {"owned": [(0, 3), (3, 5)], "crop": [0, 1], "window": [(0, 4), (2, 5)]}}), ()),
     (1, None, (), ([], [[], [((3, 4), (2, 5), 1), ((4, 5), (3, 5), 2)]])),  # its segment's runs
 ])
-@pytest.mark.parametrize("layout", ["contiguous", "a transposed view"])
+@pytest.mark.parametrize("layout", ["contiguous", "a transposed view", "big-endian floats"])
 def test_the_request_as_wire_bytes_is_the_request_built_as_a_message(index, rest, tensors, parts, layout):
     rng = np.random.default_rng(index)
     image = rng.integers(0, 256, (1, 3, 10, 6), dtype=np.uint8)
-    if layout != "contiguous":  # the same pixels, not C-contiguous
+    if layout == "a transposed view":  # the same pixels, not C-contiguous
         image = np.ascontiguousarray(image.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    elif layout == "big-endian floats":  # the wire's raw contents are little-endian whatever the array's order
+        image = image.astype(">f4")
     tables = dict(segment_models=["seg"], peers=["a:1", "b:2"], bands=[[(0, 5), (5, 10)], [(0, 3), (3, 5)]],
                   windows=[[(0, 7), (3, 10)], [(0, 4), (2, 5)]], crops=[[0, 0], [0, 1]], exchange_timeout=5.0,
                   lookahead=True, tail=1, tail_model="tail", tensors=tensors, parts=parts, rest=rest)

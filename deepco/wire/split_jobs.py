@@ -136,7 +136,8 @@ def request_bytes(skeleton: bytes, job_id: str, image: np.ndarray, rows: Interva
     a, b = rows
     if image.ndim != 4 or image.shape[0] != 1:
         raise ValueError(f"request_bytes takes a 1xCxHxW frame, got shape {list(image.shape)}")
-    image = np.ascontiguousarray(image)  # each channel's rows one run of bytes (a copy only if they are not)
+    # each channel's rows one run of little-endian bytes, as the protocol's raw contents are (a copy only if not)
+    image = np.ascontiguousarray(image, dtype=image.dtype.newbyteorder("<"))
     head = dpb.SplitRequest(job_id=job_id)
     encode_rows(image[:, :, a:a, :], a, into=head.input)  # its data type, its start; the shape is set below
     head.input.shape[:] = (1, image.shape[1], b - a, image.shape[3])
