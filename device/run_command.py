@@ -99,8 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up the device (or take the plan cache's plan), stream the source through the plan, report."""
+    from deepco_device.cpu_share import cpu_budget
     from deepco_device.feed import TakenFeed
-    from deepco_device.preprocess import pixels
+    from deepco_device.preprocess import Pixels, fit_threads
     from deepco_device.session import Device
     from deepco_device.sources import drop_mode, first_frame_check, open_feed
 
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.input_size is not None:
         parse_size(args.input_size)  # a bad size fails before anything starts; a missing one once the model is read
     _check_flags(args)
+    fit_threads(cpu_budget())  # a camera's fraction of a core: OpenCV's idle workers would spin on it
     give_up = GiveUp(args.give_up_after, args.max_failed_frames)  # bad bounds fail before anything starts
     late = drop_mode(args.source, args.drop, args.source_fps) == "late"
     # Without --depth a live source dropping late frames finds its own (LeanDepth) from 1 up to the default
@@ -130,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
     results = Results(args, Shown(how, kind, args.output_dir, height))
     results.annotated = annotated
 
+    make_pixels = Pixels(height, width, how)
+
     def prepare(frame: np.ndarray) -> np.ndarray:
-        px = pixels(frame, height, width, how)
+        px = make_pixels(frame)
         results.saved.input(px)
         if results.annotated is not None:
             results.annotated.entered(px)
