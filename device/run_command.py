@@ -179,6 +179,8 @@ def _run_frames(args: argparse.Namespace, dev, cache: CacheUse | None, feed, res
     rest of the feed through the plan, frames in flight as it says."""
     from deepco_device.runners import StagedRunner
 
+    from deepco.heap import freeze_long_lived
+
     chosen, rest = _plan(args, dev, cache, feed, results.emit)
     results.progress.close()  # set up and calibrated: from here on, frame lines only
     if rest is None:
@@ -196,6 +198,7 @@ def _run_frames(args: argparse.Namespace, dev, cache: CacheUse | None, feed, res
         runner, rest = set_up_live(dev, chosen.plan, rest, results.emit)
     else:
         runner = StagedRunner(dev, chosen.plan)
+    freeze_long_lived()  # set up: the heap so far out of the collector's full passes (deepco.heap says why)
     depth = max(chosen.depth, runner.frames_at_once)
     results.report.predicted, results.report.depth = chosen.announce(dev, depth), depth
     watch = chosen.watch(depth, runner.frames_at_once, lean=getattr(args, "lean_depth", False))

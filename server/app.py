@@ -30,6 +30,7 @@ from deepco_server.service import DeepcoServicer, InferenceServicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deepco.errors import UserError
+from deepco.heap import freeze_long_lived
 from deepco.wire import GRPC_MESSAGE_OPTIONS
 from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2_grpc as pb_grpc
@@ -257,6 +258,7 @@ def serve(config: ServeConfig) -> int:
              ", ".join(config.peers) + " and loopback" if config.peers else "loopback only",
              f"http://{config.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port is not None
              else "off")
+    freeze_long_lived()  # the start-up heap out of the collector's full passes (deepco.heap says why)
     # The one line on stdout: scripts and tests read the port from it (useful with --port 0).
     print(f"deepco serve: listening on {server.address}", flush=True)
     while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
