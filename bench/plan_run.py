@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import matplotlib
-from deepco_bench.bench_command import PRESETS, peer_bandwidth
-from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec
+from deepco_bench.bench_command import PRESETS, testbed_spec
+from deepco_bench.testbed import Testbed
 from deepco_bench.testbed_servers import start_servers
 
 from deepco.errors import UserError
@@ -161,11 +161,8 @@ def _run(args: argparse.Namespace) -> int:
                                           else preset["input_size"])
     if not isinstance(preset["device_share"], float):
         raise UserError(f"preset {args.preset}: its camera's share is measured by deepco bench; use another preset")
-    shares = [float(x) for x in preset["shares"].split(",")]
-    spec = TestbedSpec(antenna_mbps=(preset["bandwidth"],) * preset["antennas"],
-                       servers=tuple(ServerSpec(f"s{k}", c) for k, c in enumerate(shares)),
-                       device_cpu=preset["device_share"],
-                       peer_mbps=peer_bandwidth(preset["peer_bandwidth"], preset["bandwidth"]))
+    spec = testbed_spec([float(x) for x in preset["shares"].split(",")], preset["antennas"], preset["bandwidth"],
+                        preset["device_share"], preset["peer_bandwidth"])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = []
     with Testbed(spec, defer_cpu_limits=True) as tb:

@@ -20,6 +20,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -190,13 +191,20 @@ def _device_quota_after_loading(tb: Testbed, proc: subprocess.Popen, timeout: fl
     return quota
 
 
+def testbed_spec(shares: Sequence[float], antennas: int, bandwidth: float, device_share: float,
+                 peer: str | None) -> TestbedSpec:
+    """A point's testbed: servers s0, s1, ... of these CPU ``shares``, ``antennas`` of ``bandwidth`` Mbit/s each,
+    the device's share, and the servers' own links (``peer``: `peer_bandwidth`'s argument)."""
+    return TestbedSpec(antenna_mbps=(bandwidth,) * antennas,
+                       servers=tuple(ServerSpec(f"s{k}", cpu) for k, cpu in enumerate(shares)),
+                       device_cpu=device_share, peer_mbps=peer_bandwidth(peer, bandwidth))
+
+
 def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: float, scale: float,
               workdir: Path) -> dict:
     """Build a testbed, start servers, run the device benchmark in it, tear it all down."""
     shares = shares_for(args, servers, scale)
-    spec = TestbedSpec(antenna_mbps=(bandwidth,) * antennas,
-                       servers=tuple(ServerSpec(f"s{k}", cpu) for k, cpu in enumerate(shares)),
-                       device_cpu=args.device_share, peer_mbps=peer_bandwidth(args.peer_bandwidth, bandwidth))
+    spec = testbed_spec(shares, antennas, bandwidth, args.device_share, args.peer_bandwidth)
     with Testbed(spec, force_fallback=args.fallback, defer_cpu_limits=True) as tb:
         print(tb.label, flush=True)
         cluster, logs = start_servers(tb, workdir, f"{servers}-{antennas}-{bandwidth:g}-{scale:g}")

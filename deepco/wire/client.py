@@ -178,9 +178,10 @@ class InferenceClient:
         self.channel.close()
 
     def _sent(self, request: Any) -> Any:
-        """Count ``request``'s serialised bytes in `bytes_sent`; the request."""
+        """Count ``request``'s serialised bytes (a message, or bytes already serialised) in `bytes_sent`; the
+        request."""
         with self._sent_lock:
-            self.bytes_sent += request.ByteSize()
+            self.bytes_sent += len(request) if isinstance(request, bytes) else request.ByteSize()
         return request
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
@@ -370,9 +371,7 @@ class InferenceClient:
 
     def start_split_bytes(self, request: bytes, timeout: float | None = None) -> SplitJob:
         """`start_split` with the request already serialized (`deepco.wire.split_jobs.request_bytes`)."""
-        with self._sent_lock:
-            self.bytes_sent += len(request)
-        return SplitJob(self.address, self._split_run_bytes(request, timeout=self.timeout if timeout is None
+        return SplitJob(self.address, self._split_run_bytes(self._sent(request), timeout=self.timeout if timeout is None
                                                              else timeout))
 
     def send_rows(self, message: dpb.RowsMessage, timeout: float | None = None) -> Callable[[], int]:

@@ -19,6 +19,7 @@ import numpy as np
 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.rows import encode_rows
+from deepco.wire.tensors import datatype_of
 
 Interval = tuple[int, int]
 # a level's tensors (deepco.planning.scales): name -> {"owned": band, "crop": crop, "window": window per participant}
@@ -138,9 +139,10 @@ def request_bytes(skeleton: bytes, job_id: str, image: np.ndarray, rows: Interva
         raise ValueError(f"request_bytes takes a 1xCxHxW frame, got shape {list(image.shape)}")
     # each channel's rows one run of little-endian bytes, as the protocol's raw contents are (a copy only if not)
     image = np.ascontiguousarray(image, dtype=image.dtype.newbyteorder("<"))
-    head = dpb.SplitRequest(job_id=job_id)
-    encode_rows(image[:, :, a:a, :], a, into=head.input)  # its data type, its start; the shape is set below
+    head = dpb.SplitRequest(job_id=job_id)  # the rows' header: the data follow as the second occurrence
+    head.input.datatype = datatype_of(image.dtype)
     head.input.shape[:] = (1, image.shape[1], b - a, image.shape[3])
+    head.input.start = a
     planes = [memoryview(image[0, c, a:b, :]).cast("B") for c in range(image.shape[1])]  # one run of rows each
     nbytes = sum(p.nbytes for p in planes)
     data = _key(_ROWS_DATA) + _varint(nbytes)
