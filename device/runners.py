@@ -46,7 +46,7 @@ from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on, streamed
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import ServerError, SplitJob, WrongAnswer
-from deepco.wire.split_jobs import input_rows, job_request, job_skeleton, request_bytes, rest_message
+from deepco.wire.split_jobs import input_rows, job_request, job_skeleton, request_bytes, rest_bytes
 from deepco.wire.step_times import StepClock
 
 if TYPE_CHECKING:
@@ -532,7 +532,7 @@ class SplitRunner(StagedRunner):
                     paced(time.perf_counter(), (rest[1] - rest[0]) * self.row_bytes,
                           dev.measured.antenna_bytes_per_second[m])
                 acknowledged[i] = dev.client(self.index[plan.servers[i]], m).send_rows(
-                    rest_message(job, i, x, rest), timeout=self.timeout)
+                    rest_bytes(job, i, x, rest), timeout=self.timeout)
             for i, ack in acknowledged.items():
                 ack()
                 sends.sent_at[i] = time.perf_counter() - start

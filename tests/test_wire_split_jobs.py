@@ -16,6 +16,8 @@ from deepco.wire.split_jobs import (
     job_request,
     job_skeleton,
     request_bytes,
+    rest_bytes,
+    rest_message,
     rows_shape,
     to_rows,
 )
@@ -57,6 +59,18 @@ def test_a_participant_gets_its_window_of_the_image_and_the_tail_only_if_it_gath
     assert not second.levels[0].window  # level 0's windows are what the device sends, not part of the level
 
 
+LAYOUTS = ["contiguous", "a transposed view", "big-endian floats"]
+
+
+def _frame(layout: str, seed: int) -> np.ndarray:
+    image = np.random.default_rng(seed).integers(0, 256, (1, 3, 10, 6), dtype=np.uint8)
+    if layout == "a transposed view":  # the same pixels, not C-contiguous
+        return np.ascontiguousarray(image.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    if layout == "big-endian floats":  # the wire's raw contents are little-endian whatever the array's order
+        return image.astype(">f4")
+    return image
+
+
 @pytest.mark.parametrize("index, rest, tensors, parts", [
     (0, None, (), ()),  # a window from row 0: its start is the default, not on the wire
     (1, None, (), ()),  # the gatherer
@@ -64,14 +78,9 @@ def test_a_participant_gets_its_window_of_the_image_and_the_tail_only_if_it_gath
     (0, None, ({}, {"t": {"owned": [(0, 3), (3, 5)], "crop": [0, 1], "window": [(0, 4), (2, 5)]}}), ()),
     (1, None, (), ([], [[], [((3, 4), (2, 5), 1), ((4, 5), (3, 5), 2)]])),  # its segment's runs
 ])
-@pytest.mark.parametrize("layout", ["contiguous", "a transposed view", "big-endian floats"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_request_as_wire_bytes_is_the_request_built_as_a_message(index, rest, tensors, parts, layout):
-    rng = np.random.default_rng(index)
-    image = rng.integers(0, 256, (1, 3, 10, 6), dtype=np.uint8)
-    if layout == "a transposed view":  # the same pixels, not C-contiguous
-        image = np.ascontiguousarray(image.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
-    elif layout == "big-endian floats":  # the wire's raw contents are little-endian whatever the array's order
-        image = image.astype(">f4")
+    image = _frame(layout, index)
     tables = dict(segment_models=["seg"], peers=["a:1", "b:2"], bands=[[(0, 5), (5, 10)], [(0, 3), (3, 5)]],
                   windows=[[(0, 7), (3, 10)], [(0, 4), (2, 5)]], crops=[[0, 0], [0, 1]], exchange_timeout=5.0,
                   lookahead=True, tail=1, tail_model="tail", tensors=tensors, parts=parts, rest=rest)
@@ -83,6 +92,16 @@ def test_the_request_as_wire_bytes_is_the_request_built_as_a_message(index, rest
     rows, start = decode_rows(parsed.input)
     a, b = input_rows(tables["windows"], index, rest)
     assert start == a and np.array_equal(rows, image[:, :, a:b, :])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("index, rest", [(0, (7, 10)), (1, (3, 5))])
+def test_a_windows_rest_as_wire_bytes_is_the_rows_message_built(layout, index, rest):
+    image = _frame(layout, index)
+    parsed = dpb.RowsMessage.FromString(rest_bytes("job-7", index, image, rest))
+    assert parsed == rest_message("job-7", index, image, rest)
+    rows, start = decode_rows(parsed.rows)
+    assert start == rest[0] and np.array_equal(rows, image[:, :, rest[0]:rest[1], :])
 
 
 def test_a_frame_of_another_rank_is_refused_before_any_bytes_are_made():

@@ -142,7 +142,8 @@ class SplitJob:
 # gRPC Python's option (EXPERIMENTAL there) to drive a unary-stream call's completion queue from the thread that
 # reads its responses, instead of a channel-wide polling thread started whenever no call is in flight
 SINGLE_THREADED = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
-SPLIT_RUN = "/deepco.DeepcoService/SplitRun"  # the method's path, as the generated stub names it
+SPLIT_RUN = "/deepco.DeepcoService/SplitRun"  # the methods' paths, as the generated stub names them
+SPLIT_EXCHANGE = "/deepco.DeepcoService/SplitExchange"
 
 
 class InferenceClient:
@@ -163,6 +164,8 @@ class InferenceClient:
         # SplitRun with a request already serialized (`deepco.wire.split_jobs.request_bytes`): gRPC sends the bytes
         self._split_run_bytes = self.channel.unary_stream(SPLIT_RUN, request_serializer=None,
                                                           response_deserializer=dpb.RunEvent.FromString)
+        self._split_exchange_bytes = self.channel.stream_unary(SPLIT_EXCHANGE, request_serializer=None,
+                                                               response_deserializer=dpb.ExchangeAck.FromString)
         self._input_names: dict[str, str] = {}
         self.bytes_sent = 0  # serialised request bytes this client sent (`_sent`): what setup costs a radio
         self._sent_lock = threading.Lock()
@@ -374,14 +377,14 @@ class InferenceClient:
         return SplitJob(self.address, self._split_run_bytes(self._sent(request), timeout=self.timeout if timeout is None
                                                              else timeout))
 
-    def send_rows(self, message: dpb.RowsMessage, timeout: float | None = None) -> Callable[[], int]:
-        """Send rows of a split job to this server, as a peer sends them (SplitExchange, one message): the rest
-        of a window the device streams (SplitRequest.input_rest). Returns at once, with a function that waits
-        for the server to have filed them (the messages it took) and raises ServerError if it did not: an
-        antenna sends the next rest without waiting on a server whose CPU is busy with the first sub-band."""
-        self._sent(message)
-        future = self.deepco.SplitExchange.future(iter([message]),
-                                                  timeout=self.timeout if timeout is None else timeout)
+    def send_rows(self, message: dpb.RowsMessage | bytes, timeout: float | None = None) -> Callable[[], int]:
+        """Send rows of a split job to this server, as a peer sends them (SplitExchange, one message, or its
+        bytes: `deepco.wire.split_jobs.rest_bytes`): the rest of a window the device streams
+        (SplitRequest.input_rest). Returns at once, with a function that waits for the server to have filed them
+        (the messages it took) and raises ServerError if it did not: an antenna sends the next rest without
+        waiting on a server whose CPU is busy with the first sub-band."""
+        call = self._split_exchange_bytes if isinstance(message, bytes) else self.deepco.SplitExchange
+        future = call.future(iter([self._sent(message)]), timeout=self.timeout if timeout is None else timeout)
 
         def acknowledged() -> int:
             try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from google.protobuf.message import Message
 
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.rows import encode_rows
@@ -134,23 +135,37 @@ def request_bytes(skeleton: bytes, job_id: str, image: np.ndarray, rows: Interva
     two occurrences merge into one). The rows are copied once, straight from the frame into the bytes gRPC sends,
     where building the message copied them into it, counting its size serialized it, and gRPC serialized it
     again: three copies of a window on a camera's fraction of a core."""
+    head = dpb.SplitRequest(job_id=job_id)
+    return _with_rows(skeleton, head, head.input, _INPUT, image, rows)
+
+
+def rest_bytes(job_id: str, index: int, image: np.ndarray, rest: Interval) -> bytes:
+    """`rest_message` as wire bytes, its rows copied once from the frame (as `request_bytes`' are)."""
+    head = dpb.RowsMessage(job_id=job_id, sender=index, level=0)
+    return _with_rows(b"", head, head.rows, _ROWS, image, rest)
+
+
+def _with_rows(prefix: bytes, head: Message, header: dpb.Rows, field: int, image: np.ndarray, rows: Interval) -> bytes:
+    """``prefix``, then ``head`` serialized with ``header`` (its Rows field number ``field``) describing rows
+    [a, b) of ``image``, then the rows' data as a second occurrence of that field, which a parser merges into the
+    first: one copy of the rows, into the bytes returned."""
     a, b = rows
     if image.ndim != 4 or image.shape[0] != 1:
-        raise ValueError(f"request_bytes takes a 1xCxHxW frame, got shape {list(image.shape)}")
+        raise ValueError(f"split rows are taken from a 1xCxHxW frame, got shape {list(image.shape)}")
     # each channel's rows one run of little-endian bytes, as the protocol's raw contents are (a copy only if not)
     image = np.ascontiguousarray(image, dtype=image.dtype.newbyteorder("<"))
-    head = dpb.SplitRequest(job_id=job_id)  # the rows' header: the data follow as the second occurrence
-    head.input.datatype = datatype_of(image.dtype)
-    head.input.shape[:] = (1, image.shape[1], b - a, image.shape[3])
-    head.input.start = a
+    header.datatype = datatype_of(image.dtype)
+    header.shape[:] = (1, image.shape[1], b - a, image.shape[3])
+    header.start = a
     planes = [memoryview(image[0, c, a:b, :]).cast("B") for c in range(image.shape[1])]  # one run of rows each
     nbytes = sum(p.nbytes for p in planes)
     data = _key(_ROWS_DATA) + _varint(nbytes)
-    framed = _key(_INPUT) + _varint(len(data) + nbytes) + data
-    return b"".join([skeleton, head.SerializeToString(), framed, *planes])
+    framed = _key(field) + _varint(len(data) + nbytes) + data
+    return b"".join([prefix, head.SerializeToString(), framed, *planes])
 
 
 _INPUT = dpb.SplitRequest.DESCRIPTOR.fields_by_name["input"].number
+_ROWS = dpb.RowsMessage.DESCRIPTOR.fields_by_name["rows"].number
 _ROWS_DATA = dpb.Rows.DESCRIPTOR.fields_by_name["data"].number
 _LENGTH_DELIMITED = 2  # protobuf's wire type of bytes and messages
 
