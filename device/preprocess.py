@@ -59,9 +59,10 @@ class Pixels:
     """`pixels` for the frames of one run, the resized frame kept in one buffer from frame to frame.
 
     A 720x1280 frame's resize and colour conversion each made a new 2.7 MB array, and a camera's frames come far
-    enough apart that the allocator gives such memory back to the kernel between them: every frame took ~1300 page
-    faults, 6 ms of CPU where the same work on memory kept is 2.3 ms (2026-11-29, this host; a camera's tenth of a
-    core makes each millisecond ten). Calls are serialised (the buffer is shared)."""
+    enough apart that the allocator gives such memory back to the kernel between them: every frame took 1318 page
+    faults and 7.7-8.2 ms of CPU, where with the buffer kept it takes none and 2.2-2.3 ms (bench/camera_pixels.py,
+    frames 0.2 s apart; a camera's tenth of a core makes each millisecond ten). Calls are serialised (the buffer
+    is shared)."""
 
     def __init__(self, height: int, width: int, how: Preprocessing = IMAGENET):
         self.height, self.width, self.how = height, width, how
@@ -77,8 +78,9 @@ class Pixels:
 def fit_threads(budget: float) -> int:
     """Size OpenCV's worker threads to a device of ``budget`` cores (device.cpu_share.cpu_budget); the threads
     OpenCV now uses. Under ``PARALLEL_FROM`` cores one, the caller's: after each parallel resize OpenCV's workers
-    spin on sched_yield (4-6% of a camera's tenth of a core under perf, 2026-11-29); a 720x1280 frame's pixels,
-    frames 0.2 s apart, took 7.9 ms of CPU with OpenCV's two threads against 5.9 with one."""
+    spin on sched_yield (3-6% of a camera's tenth of a core under perf, 2026-11-29); a 720x1280 frame's pixels
+    took 8.2 ms of CPU with OpenCV's two threads against 7.7 with one before `Pixels`, 2.3 against 2.2 with it
+    (bench/camera_pixels.py)."""
     if budget < PARALLEL_FROM:
         cv2.setNumThreads(1)
     return cv2.getNumThreads()
