@@ -221,6 +221,40 @@ def test_a_runoff_within_the_noise_runs_as_many_frames_again_before_choosing(cos
     assert runoffs and max(t["frames"] for t in runoffs) == 6, runoffs
 
 
+def test_a_plan_left_out_against_the_fastests_lucky_first_frames_runs_once_the_runoff_shows_them_lucky(costs):
+    """The first planned split times 100 ms on its calibration frames and 130 ms ever after; offload times 141 ms
+    (out of the runoff at 1.41x) and then 110; the paper's shape 120 throughout. The first runoff shows the
+    split's luck, offload is a finalist against what the split ran there, runs beside the runoff's leader, and
+    is chosen: the fastest as measured side by side."""
+    from deepco.planning.calibration import calibrate, plan_key
+
+    r = rates()
+    time_plan, release, candidates, held, released = _fake_bench(costs, lambda plan: 0.2)
+    first = candidates(r, "latency", "all")[0]
+    paper = candidates(r, "latency", "thread")[0]
+    assert plan_key(first) != plan_key(paper)
+    lucky = iter([0.100, 0.100] + [0.130] * 1000)
+    late = iter([0.141, 0.141] + [0.110] * 1000)
+
+    def timed(plan, frames, warm_up):
+        out = time_plan(plan, frames, warm_up)
+        if plan_key(plan) == plan_key(first):
+            return [next(lucky) for _ in out]
+        if plan.describe() == offload_plan(costs, r, "s1").describe():
+            return [next(late) for _ in out]
+        return [0.120 for _ in out] if plan_key(plan) == plan_key(paper) else out
+
+    def with_offloads(rr, objective, shapes):
+        return [offload_plan(costs, rr, "s1")] if shapes == "offload" else candidates(rr, objective, shapes)
+
+    lines: list[str] = []
+    got = calibrate(costs, r, with_offloads, timed, release, log=lines.append, settle=0, runoff_frames=4)
+    assert any("left out against its first frames: they run beside it" in line for line in lines), "\n".join(lines)
+    assert got.plan.describe() == offload_plan(costs, r, "s1").describe()
+    assert got.plan.fidelity["measured"] == pytest.approx((2 * 0.141 + 4 * 0.110) / 6)
+    assert list(held.values()) == [got.plan.describe()]
+
+
 def test_calibration_in_a_world_of_slower_layers_fits_it_and_ends_on_the_truly_fastest_plan(costs):
     """Frames timed exactly as the cost model predicts them with the model's layers at half the profiled FLOP
     rate and 3 ms per step: calibration must fit that model and choose the plan that is fastest in it, having
