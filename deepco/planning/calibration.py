@@ -521,12 +521,12 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
 def _with_late_finalists(bench: _Bench, runoff: list[Timed], frames: int) -> list[Timed]:
     """``runoff`` with the plans its frames made finalists. The finalists were chosen against the fastest
     plan's first few frames, which can be lucky: on the camera preset at 224x224 a split timed at 101 ms
-    ran at 127 in its runoff, while offload, timed once at 141 ms (1.39x) and so left out, ran at 124 in
-    the benchmark's frames beside the split's 149. With the runoff's frames in, the plans now within
+    ran at 127 in its runoff, while offload, timed at 141 ms on its two frames (1.39x) and so left out, ran
+    at 124 in the benchmark's frames beside the split's 149. With the runoff's frames in, the plans now within
     ``RUNOFF_WITHIN`` of the fastest run as many frames beside the runoff's leaders (the fastest and the one
     `choose` picks, their runoff frames kept)."""
     ran = {plan_key(t.plan) for t in runoff}
-    late = [k for k in bench.finalists() if k not in ran]
+    late = [k for k in bench.finalists() if k not in ran and k not in bench.unfit]
     if not late:
         return runoff
     leaders = list(dict.fromkeys(plan_key(t.plan) for t in (min(runoff, key=lambda t: t.mean), choose(runoff))))
