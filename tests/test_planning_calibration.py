@@ -255,6 +255,33 @@ def test_a_plan_left_out_against_the_fastests_lucky_first_frames_runs_once_the_r
     assert list(held.values()) == [got.plan.describe()]
 
 
+def test_a_finalist_refused_for_room_in_the_runoff_is_not_tried_again_as_a_late_one(costs):
+    """Offload times 105 ms on its calibration frames but cannot be set up beside the runoff's plans (refused for
+    room): it is skipped once, with a note, and not tried again as a late finalist."""
+    from deepco.planning.calibration import Unfit, calibrate
+
+    r = rates()
+    time_plan, release, candidates, held, released = _fake_bench(costs, lambda plan: 0.2)
+    first = candidates(r, "latency", "all")[0]
+    crowded = offload_plan(costs, r, "s1")
+
+    def timed(plan, frames, warm_up):
+        if plan.describe() == crowded.describe() and frames == 0:  # the runoff's set-up
+            raise Unfit("no room beside the runoff's plans")
+        out = time_plan(plan, frames, warm_up)
+        return {crowded.describe(): [0.105] * frames, first.describe(): [0.100] * frames}.get(plan.describe(), out)
+
+    def with_offloads(rr, objective, shapes):
+        return [offload_plan(costs, rr, "s1")] if shapes == "offload" else candidates(rr, objective, shapes)
+
+    lines: list[str] = []
+    got = calibrate(costs, r, with_offloads, timed, release, log=lines.append, settle=0, runoff_frames=2)
+    skipped = [line for line in lines if line.startswith(f"calibration: skipped {crowded.describe()}")]
+    assert len(skipped) == 1, "\n".join(lines)
+    assert not any("left out against its first frames" in line for line in lines), "\n".join(lines)
+    assert got.plan.describe() == first.describe()
+
+
 def test_calibration_in_a_world_of_slower_layers_fits_it_and_ends_on_the_truly_fastest_plan(costs):
     """Frames timed exactly as the cost model predicts them with the model's layers at half the profiled FLOP
     rate and 3 ms per step: calibration must fit that model and choose the plan that is fastest in it, having
