@@ -504,8 +504,7 @@ def _calibrate(bench: _Bench, candidates: Candidates, objective: str, rounds: in
         tied = too_close(runoff)
         if len(tied) > 1:  # the measured order of these is noise so far: they run as many frames again
             bench.log(f"calibration: {len(tied)} plans within the noise of each other: a longer runoff")
-            runoff = [t for t in runoff if plan_key(t.plan) not in tied] + bench.runoff(
-                tied, runoff_frames, before=[t for t in runoff if plan_key(t.plan) in tied])
+            runoff = _run_again(bench, runoff, tied, runoff_frames)
         bench.refit()
         chosen = bench.timed[plan_key(choose(runoff).plan)]
     else:
@@ -532,5 +531,11 @@ def _with_late_finalists(bench: _Bench, runoff: list[Timed], frames: int) -> lis
     leaders = list(dict.fromkeys(plan_key(t.plan) for t in (min(runoff, key=lambda t: t.mean), choose(runoff))))
     bench.log(f"calibration: {len(late)} plan(s) within {RUNOFF_WITHIN:.0%} of the runoff's fastest, left out "
               "against its first frames: they run beside it")
-    again = bench.runoff(leaders + late, frames, before=[t for t in runoff if plan_key(t.plan) in leaders])
-    return [t for t in runoff if plan_key(t.plan) not in leaders] + again
+    return _run_again(bench, runoff, leaders + late, frames)
+
+
+def _run_again(bench: _Bench, runoff: list[Timed], keys: list[str], frames: int) -> list[Timed]:
+    """``runoff`` with the plans of ``keys`` (of it or new to it) run ``frames`` more side by side, the frames
+    those of it ran there kept."""
+    return [t for t in runoff if plan_key(t.plan) not in keys] + bench.runoff(
+        keys, frames, before=[t for t in runoff if plan_key(t.plan) in keys])
