@@ -43,12 +43,13 @@ class StageSource:
     name: str  # the stage model's graph name
     height: int
     width: int
+    open_rows: int = 0  # a segment's open sides (deepco.partition.open_rows.sides_bits)
 
     def description(self, whole_sha256: str) -> bytes:
         """The serialized description of this stage of the whole model of digest ``whole_sha256``."""
         return dpb.StageDescription(whole_sha256=whole_sha256, inputs=self.inputs, outputs=self.outputs,
-                                    dims=self.dims, name=self.name, height=self.height,
-                                    width=self.width).SerializeToString()
+                                    dims=self.dims, name=self.name, height=self.height, width=self.width,
+                                    open_rows=self.open_rows).SerializeToString()
 
 
 class NoRoom(UserError):

@@ -77,7 +77,7 @@ class ModnnRunner:
         self.segments: list[Segment] = device.partitioner.segments(self.cut)
         heights = [device.height] + [s.height for s in self.segments]
         self.bands = ownership_tables(self.rates, heights)
-        self.windows = [[]] + [[seg.window(*self.bands[j][i]) for i in range(len(servers))]
+        self.windows = [[]] + [[seg.open_window(*self.bands[j][i]) for i in range(len(servers))]
                                for j, seg in enumerate(self.segments, start=1)]
         self.peers = [device.cluster.address_on(s, 0) for s in servers]
         self._check_room()

@@ -41,7 +41,8 @@ from deepco_device.pipeline import RunStopped
 from deepco_device.records import FrameResult, FrameTiming, ServerStep, StepTimes
 
 from deepco.errors import UserError
-from deepco.partition.derive import Dims
+from deepco.partition.derive import Dims, open_segment
+from deepco.partition.open_rows import CLOSED, Sides, sides_bits, sides_for
 from deepco.planning.bands import NOT_A_SERVER
 from deepco.planning.staged import DEVICE, StagedPlan, offload_plan_on, streamed
 from deepco.wire import deepco_service_pb2 as dpb
@@ -401,23 +402,32 @@ class SplitRunner(StagedRunner):
     def _prepare(self) -> None:
         dev, plan = self.device, self.plan
         p = dev.partitioner
-        parts = _stage_models(dev, tuple(plan.levels))
-        data = parts["segments"]
-        sources = [_source(dev, [a], [b], Dims.ROWS, name) for a, b, name in parts["sources"]]
-        loads = [(server, d, src) for server in plan.servers if server != DEVICE
-                 for d, src in zip(data, sources, strict=True)]
+        levels = tuple(plan.levels)
+        parts = _stage_models(dev, levels)
+        loads = []
+        for i, server in enumerate(plan.servers):
+            if server == DEVICE:
+                continue
+            for j, (a, b, _) in enumerate(parts["sources"], start=1):
+                sides = participant_sides(dev, plan, j, i)
+                data, name = _segment_bytes(dev, levels, j, sides)
+                loads.append((server, data, _source(dev, [a], [b], Dims.ROWS, name, sides)))
         tail = parts["tail"]
         if plan.tail is not None:
             cut = p.cut(plan.levels[-1]).tensor
             loads.append((plan.tail, parts["tail_bytes"],
                           _source(dev, [cut], list(p.graph.outputs), Dims.STATIC, tail.graph.name)))
-        names = self._upload_all(loads)
-        self.segment_names = names[:len(data)]  # content-addressed: alike on every server ([] with none)
-        self.tail_name = names[-1] if plan.tail is not None else ""
+        names = iter(self._upload_all(loads))
+        # content-addressed; a participant's models of the levels its windows meet no border at are opened
+        self.segment_models = [[] if server == DEVICE else [next(names) for _ in parts["sources"]]
+                               for server in plan.servers]
+        self.tail_name = next(names) if plan.tail is not None else ""
         if DEVICE in plan.servers:  # the device's own band: one stage (the planner allows no exchange with it)
-            if "own" not in parts:
-                parts["own"] = _session(data[0])
-            self.own = parts["own"]
+            sides = participant_sides(dev, plan, 1, plan.servers.index(DEVICE))
+            own = parts.setdefault("own", {})
+            if sides not in own:
+                own[sides] = _session(_segment_bytes(dev, levels, 1, sides)[0])
+            self.own = own[sides]
             self.own_input = self.own.get_inputs()[0].name
         # What the servers' answers must be: bands of the last level, or the tail's output (as NCHW on the wire)
         last = p.cut(plan.levels[-1])
@@ -434,13 +444,19 @@ class SplitRunner(StagedRunner):
                       for s in plan.servers]
         self.row_bytes = dev.channels * dev.width * p.graph.itemsize
 
+    @property
+    def segment_names(self) -> list[str]:
+        """Every segment model this runner loaded, once each."""
+        return list(dict.fromkeys(name for names in self.segment_models for name in names))
+
     @classmethod
     def extracted(cls, device: Device, plan: StagedPlan) -> list[tuple[str, bytes]] | None:
-        parts = device.stage_models.get(tuple(plan.levels))
-        if parts is None:
+        levels = tuple(plan.levels)
+        if device.stage_models.get(levels) is None:
             return None
-        out = [(server, d) for server in plan.servers if server != DEVICE for d in parts["segments"]]
-        return out + ([(plan.tail, parts["tail_bytes"])] if plan.tail is not None else [])
+        out = [(server, _segment_bytes(device, levels, j, participant_sides(device, plan, j, i))[0])
+               for i, server in enumerate(plan.servers) if server != DEVICE for j in range(1, len(levels) + 1)]
+        return out + ([(plan.tail, device.stage_models[levels]["tail_bytes"])] if plan.tail is not None else [])
 
     @property
     def rests(self) -> list[tuple[int, int] | None]:
@@ -450,7 +466,7 @@ class SplitRunner(StagedRunner):
     def tables(self, i: int) -> dict[str, Any]:
         """Participant ``i``'s request but its job id and rows (deepco.wire.split_jobs.job_skeleton's arguments)."""
         plan = self.plan
-        return dict(segment_models=self.segment_names, peers=self.peers, bands=plan.bands, windows=plan.windows,
+        return dict(segment_models=self.segment_models[i], peers=self.peers, bands=plan.bands, windows=plan.windows,
                     crops=plan.crops, exchange_timeout=self.exchange_timeout, lookahead=plan.lookahead,
                     tail=plan.servers.index(plan.tail) if plan.tail else None, tail_model=self.tail_name,
                     parts=plan.overlap, rest=self.rests[i])
@@ -648,7 +664,8 @@ class ScalesRunner(SplitRunner):
                                                                   list(g.outputs), Dims.STATIC, tail.graph.name)))
             self.output_specs = output_specs(tail)
         names = self._upload_all(loads)
-        self.segment_names = names[:len(sources)]  # content-addressed: the same on every server
+        # content-addressed: the same on every server
+        self.segment_models = [names[:len(sources)] for _ in plan.servers]
         self.tail_name = names[-1] if plan.tail is not None else ""
         dtypes = {vi.name: value_dtype(vi) for stage in parts["stages"]
                   for vi in [*stage.model.graph.input, *stage.model.graph.output]}
@@ -670,7 +687,7 @@ class ScalesRunner(SplitRunner):
         """Participant ``i``'s request but its job id and rows: its window (or band) of the image's place, and
         every level's tensor tables."""
         plan = self.plan
-        return dict(segment_models=self.segment_names, peers=self.peers, bands=plan.bands, windows=plan.windows,
+        return dict(segment_models=self.segment_models[i], peers=self.peers, bands=plan.bands, windows=plan.windows,
                     crops=[[0] * len(plan.servers) if j else [] for j in range(len(plan.bands))],
                     exchange_timeout=self.exchange_timeout, lookahead=plan.lookahead,
                     tail=plan.servers.index(plan.tail) if plan.tail else None, tail_model=self.tail_name,
@@ -775,10 +792,37 @@ def _whole_bytes(device: Device) -> bytes:
     return parts["bytes"]
 
 
-def _source(device: Device, inputs: list[str], outputs: list[str], dims: Dims, name: str) -> StageSource:
-    """How a server derives the stage from ``inputs`` to ``outputs`` itself (device.lifecycle.StageSource)."""
+def _source(device: Device, inputs: list[str], outputs: list[str], dims: Dims, name: str,
+            sides: Sides = CLOSED) -> StageSource:
+    """How a server derives the stage from ``inputs`` to ``outputs`` itself (device.lifecycle.StageSource), on
+    open ``sides`` (a segment's: deepco.partition.open_rows)."""
     return StageSource(whole=lambda: _whole_bytes(device), inputs=tuple(inputs), outputs=tuple(outputs),
-                       dims=int(dims), name=name, height=device.height, width=device.width)
+                       dims=int(dims), name=name, height=device.height, width=device.width,
+                       open_rows=sides_bits(sides))
+
+
+def participant_sides(device: Device, plan: StagedPlan, j: int, i: int) -> Sides:
+    """The open sides of participant ``i``'s model of segment ``j`` (1-based): those of its window of the level
+    that are not at the level's border (the planner's crops and FLOPs assume the same: `CostModel.sides`), none
+    for a plan saved before runs on open rows; a segment with no open form ignores them (`_segment_bytes`)."""
+    if not plan.open_rows:
+        return CLOSED
+    height = device.height if j == 1 else device.partitioner.cut(plan.levels[j - 2]).height
+    return sides_for(plan.windows[j][i], height)
+
+
+def _segment_bytes(device: Device, levels: tuple[str, ...], j: int, sides: Sides) -> tuple[bytes, str]:
+    """Segment ``j``'s (1-based) model of the chain ``levels`` on open ``sides``, serialized, and its graph
+    name; made once per device. The model's own where both sides are closed or it has no open form."""
+    parts = _stage_models(device, levels)
+    segment = parts["segs"][j - 1]
+    if sides == CLOSED or segment.steps is None:
+        return parts["segments"][j - 1], parts["sources"][j - 1][2]
+    opened = parts.setdefault("open", {})
+    if (j, sides) not in opened:
+        model = open_segment(segment.model, sides)
+        opened[(j, sides)] = (model.SerializeToString(), model.graph.name)
+    return opened[(j, sides)]
 
 
 def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
@@ -790,7 +834,7 @@ def _stage_models(device: Device, levels: tuple[str, ...]) -> dict[str, Any]:
         p = device.partitioner
         segments = p.segments(levels[-1], models=True, through=list(levels[:-1]))
         _, tail = p.split(levels[-1])
-        parts = {"segments": [seg.model.SerializeToString() for seg in segments], "tail": tail,
+        parts = {"segments": [seg.model.SerializeToString() for seg in segments], "segs": segments, "tail": tail,
                  "tail_bytes": tail.SerializeToString(),
                  "sources": [(seg.source, seg.target, seg.model.graph.name) for seg in segments]}
         device.stage_models[levels] = parts

@@ -71,7 +71,7 @@ class Whole:
         try:
             with self.lock:
                 stage = m.stage(list(description.inputs), list(description.outputs), description.dims,
-                                description.name)
+                                description.name, description.open_rows)
         except PartitionError as exc:
             raise invalid(f"cannot derive stage {description.name[:80]!r} from the whole model "
                           f"{self.sha256[:16]}...: {exc}") from None

@@ -11,13 +11,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from deepco_device.preprocess import normalise
+from deepco_device.runners import SplitRunner
 from deepco_device.session import Device
 from deepco_device.staged import StagedPlanner, StagedRunner
 from deepco_server.app import ServeConfig, Server
 
 from deepco.cluster import parse_cluster
 from deepco.partition import Partitioner
-from deepco.partition.derive import Dims, WholeModel
+from deepco.partition.derive import Dims, WholeModel, open_segment
+from deepco.partition.open_rows import sides_bits
 from deepco.planning.staged import offload_plan_on, split_plan
 from deepco.wire import deepco_service_pb2 as dpb
 from deepco.wire.client import InferenceClient, ServerError, content_name_of
@@ -89,6 +91,11 @@ def test_a_derived_stage_is_the_device_s_stage_byte_for_byte(resnet_partitioner)
     for seg in segments:
         derived = whole.stage([seg.source], [seg.target], Dims.ROWS, seg.model.graph.name)
         assert derived.SerializeToString() == seg.model.SerializeToString(), seg.name
+        for sides in [(True, False), (False, True), (True, True)]:  # the segment on open rows, each pair of sides
+            opened = open_segment(seg.model, sides)
+            derived = whole.stage([seg.source], [seg.target], Dims.ROWS, opened.graph.name, sides_bits(sides))
+            assert derived.SerializeToString() == opened.SerializeToString(), (seg.name, sides)
+            assert opened.SerializeToString() != seg.model.SerializeToString()
     _, tail = p.split(levels[-1])
     derived = whole.stage([p.cut(levels[-1]).tensor], list(p.graph.outputs), Dims.STATIC, tail.graph.name)
     assert derived.SerializeToString() == tail.SerializeToString()
@@ -118,9 +125,10 @@ def test_stages_cross_the_radio_as_descriptions_once_the_whole_model_is_there(de
     dev = deriving
     assert DERIVES in dev.client(0, 0).server_metadata()["extensions"]
     before = dev.uploads.sent_bytes
-    run_once(dev, plan_of(dev, ["s0", "s1", "s2"], ["layer1", "layer3"], tail=False))
-    segments = sum(len(d) for d in dev.stage_models[("layer1", "layer3")]["segments"])
-    assert dev.uploads.sent_bytes - before == 3 * segments
+    first = plan_of(dev, ["s0", "s1", "s2"], ["layer1", "layer3"], tail=False)
+    run_once(dev, first)
+    segments = sum(len(d) for _, d in SplitRunner.extracted(dev, first))  # each server's models of its sides
+    assert dev.uploads.sent_bytes - before == segments
 
     whole = len(dev.stage_models[("whole",)]["bytes"])
     before = dev.uploads.sent_bytes
@@ -216,6 +224,8 @@ def test_bad_descriptions_get_their_status_and_the_server_stays_up(resnet_partit
             "two outputs on rows": describe(outputs=[seg.target, seg.source]),
             "a name with control characters": describe(name="a\nb"),
             "no stage between them": describe(inputs=[seg.target], outputs=[seg.source]),
+            "open rows past both sides": describe(open_rows=4),
+            "open rows of a stage not on rows": describe(dims=Dims.STATIC, open_rows=3),
         }
         for why, description in bad.items():
             assert _code(lambda d=description: client.derive_model(d, "s")) == grpc.StatusCode.INVALID_ARGUMENT, why

@@ -438,7 +438,7 @@ def test_balance_leaves_out_the_first_level_where_the_frame_says_what_it_took(co
 
 @pytest.mark.parametrize("balanced", [True, False])
 def test_calibration_sizes_the_bands_on_the_servers_speeds_the_frames_measured(costs, balanced):
-    """Setup's probe swapped the two servers (s0 probed at 2 GFLOP/s runs this model at 4, s1 the reverse), as
+    """Setup's probe swapped the two servers (s0 probed at 1 GFLOP/s runs this model at 2, s1 the reverse), as
     the testbed's probe rated a 0.35-core server above its 0.45-core neighbours: a split sized on the probe
     gives s1 rows that keep s0 waiting. With the servers' compute times of the split frames (`Balance`),
     calibration plans on their real speeds and ends on a plan within 3% of the fastest in the true world;
@@ -448,8 +448,9 @@ def test_calibration_sizes_the_bands_on_the_servers_speeds_the_frames_measured(c
     from deepco.planning.calibration import Balance, calibrate
     from deepco.planning.staged import search
 
-    probed = replace(rates(), server_flops_per_second={"s0": 2e9, "s1": 4e9})
-    truth = replace(probed, server_flops_per_second={"s0": 4e9, "s1": 2e9})
+    # slow enough that each server's stages of a split are long enough to time (BALANCE_LEAST_STAGE_SECONDS)
+    probed = replace(rates(), server_flops_per_second={"s0": 1e9, "s1": 2e9})
+    truth = replace(probed, server_flops_per_second={"s0": 2e9, "s1": 1e9})
     balance = Balance(costs, probed) if balanced else None
 
     def frame_seconds(plan):

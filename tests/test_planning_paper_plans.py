@@ -31,7 +31,8 @@ def rates(servers: tuple[float, ...], antennas: int, bw: float = 1e6, overhead: 
 
 
 def check_paper_shape(plan, partitioner: Partitioner) -> None:
-    """One lookahead stage to the cut, the tail on the device, windows and crops of the partitioner's slices."""
+    """One lookahead stage to the cut, the tail on the device, windows of the partitioner's slices, crops of its
+    segment's runs on open rows (the staged runtime's)."""
     cut = partitioner.cut(CUT)
     assert plan.kind == "split" and plan.levels == [CUT] and plan.lookahead and plan.tail is None
     bands = plan.bands[1]
@@ -39,10 +40,11 @@ def check_paper_shape(plan, partitioner: Partitioner) -> None:
     assert all(x[1] == y[0] for x, y in zip(bands, bands[1:], strict=False))
     image = plan.bands[0]
     assert image[0][0] == 0 and image[-1][1] == H and all(x[1] == y[0] for x, y in zip(image, image[1:], strict=False))
+    segment = partitioner.segments(CUT, through=[])[-1]
     for i, (a, b) in enumerate(bands):
         slice_cost = partitioner.cost(CUT, a, b)
         assert plan.windows[0][i] == plan.windows[1][i] == slice_cost.input_rows
-        assert plan.crops[1][i] == slice_cost.crop[0]
+        assert plan.crops[1][i] == segment.open_window(a, b).crop[0]
 
 
 def test_equal_gives_every_server_equal_rows_round_robin_over_the_antennas(costs, partitioner):
@@ -55,11 +57,13 @@ def test_equal_gives_every_server_equal_rows_round_robin_over_the_antennas(costs
 
 def finish_times(partitioner: Partitioner, r: Rates, names: list[str], bands: list[tuple[int, int]]) -> list[float]:
     """The row planner's timeline on one antenna, written out: sends one after another, each paying the request
-    overhead, then the server's compute and the band's return."""
+    overhead, then the server's compute (of the band's run on open rows, as the staged runtime runs it) and the
+    band's return."""
     bw, over = r.antenna_bytes_per_second[0], r.request_overhead
     clock, out = 0.0, []
+    segment = partitioner.segments(CUT, through=[])[-1]
     for name, (a, b) in zip(names, bands, strict=True):
-        cost = partitioner.cost(CUT, a, b)
+        cost = segment.open_window(a, b)
         transfer = cost.input_bytes / bw
         out.append(clock + over + transfer + cost.flops / r.server_flops_per_second[name] + cost.output_bytes / bw)
         clock += over + transfer

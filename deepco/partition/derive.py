@@ -24,6 +24,7 @@ import onnx
 from onnx import shape_inference
 
 from deepco.partition.graph import PartitionError
+from deepco.partition.open_rows import CLOSED, Sides, open_model, sides_bits, sides_of_bits
 
 MAX_TENSORS = 256  # a stage's inputs or outputs: a level of a U-Net or a detector has a handful
 MAX_NAME_CHARS = 128
@@ -83,6 +84,19 @@ def extract(extractor: onnx.utils.Extractor, inputs: list[str], outputs: list[st
     return finish(model, name)
 
 
+def open_name(name: str, sides: Sides) -> str:
+    """The graph name of segment ``name`` on open ``sides``."""
+    return name if sides == CLOSED else f"{name}-open{sides_bits(sides)}"
+
+
+def open_segment(model: onnx.ModelProto, sides: Sides, name: str | None = None) -> onnx.ModelProto:
+    """The segment ``model`` on windows with open ``sides`` (deepco.partition.open_rows), named ``name``
+    (default `open_name`) and checked; ``model`` itself where both sides are closed."""
+    if sides == CLOSED:
+        return model
+    return finish(open_model(model, sides), name or open_name(model.graph.name, sides))
+
+
 class WholeModel:
     """A whole model (one image input, of static height and width) from which stage models are derived; its
     two prepared copies (image size symbolic, and static) are made once, on first use, so that deriving a
@@ -109,17 +123,23 @@ class WholeModel:
             self._extractors[static] = onnx.utils.Extractor(with_input_dims(self.model, self.image, hw))
         return self._extractors[static]
 
-    def stage(self, inputs: list[str], outputs: list[str], dims: Dims | int, name: str) -> onnx.ModelProto:
+    def stage(self, inputs: list[str], outputs: list[str], dims: Dims | int, name: str,
+              open_rows: int = 0) -> onnx.ModelProto:
         """The stage from ``inputs`` to ``outputs`` (tensor names of the whole model), as the device's
-        partitioner extracts it; PartitionError names what is wrong with a description."""
-        problem = self.problem(inputs, outputs, dims, name)
+        partitioner extracts it, and for a segment (``ROWS``) on windows whose sides ``open_rows`` are open
+        (deepco.partition.open_rows), as the device opens it; PartitionError names what is wrong with a
+        description."""
+        problem = self.problem(inputs, outputs, dims, name, open_rows)
         if problem:
             raise PartitionError(problem)
         dims = Dims(dims)
         if dims == Dims.WHOLE:
             return self.model
         try:
-            return extract(self._extractor(dims == Dims.STATIC), inputs, outputs, dims, name)
+            stage = extract(self._extractor(dims == Dims.STATIC), inputs, outputs, dims, name)
+            if not open_rows:
+                return stage
+            return open_segment(stage, sides_of_bits(open_rows), name)
         except PartitionError:
             raise
         except Exception as exc:  # onnx's checker and shape inference raise their own types, all about the stage
@@ -127,10 +147,13 @@ class WholeModel:
             raise PartitionError(f"stage {name!r} from {inputs[:4]} to {outputs[:4]} is not a valid model of its "
                                  f"own: {first[:300]}") from None
 
-    def problem(self, inputs: list[str], outputs: list[str], dims: int, name: str) -> str | None:
+    def problem(self, inputs: list[str], outputs: list[str], dims: int, name: str, open_rows: int = 0) -> str | None:
         """Why the description cannot name a stage of this model (any bytes may arrive), or None."""
         if dims not in {d.value for d in Dims}:
             return f"unknown dims {dims} (expected one of {', '.join(f'{d.value} ({d.name})' for d in Dims)})"
+        if not 0 <= open_rows <= 3 or (open_rows and dims != Dims.ROWS):
+            return (f"open_rows is 0 to 3 (1: the top is open, 2: the bottom), and only for a stage on rows (ROWS); "
+                    f"got {open_rows} with dims {dims}")
         if not inputs or not outputs or len(inputs) > MAX_TENSORS or len(outputs) > MAX_TENSORS:
             return f"a stage has 1 to {MAX_TENSORS} inputs and outputs, this one {len(inputs)} and {len(outputs)}"
         if dims == Dims.WHOLE and (list(inputs) != [self.image] or list(outputs) != self.outputs):

@@ -18,13 +18,15 @@ checks whole heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import onnx
 
 from deepco.partition.derive import Dims, extract
 from deepco.partition.graph import PartitionError
+from deepco.partition.open_rows import CLOSED, Step, held, sides_for, steps_of
 
 if TYPE_CHECKING:
     from deepco.partition.partitioner import Cut, Partitioner
@@ -72,6 +74,33 @@ class Segment:
     def crop(self, a: int, b: int) -> Interval:
         """Where output rows [a, b) sit in the segment's output when it runs on `needed(a, b)`."""
         return self.window(a, b).crop
+
+    @cached_property
+    def steps(self) -> list[Step] | None:
+        """The segment's row steps for runs on open rows (deepco.partition.open_rows), None where it has no open
+        form."""
+        g = self.partitioner.graph
+        return steps_of([g.nodes[i] for i in self.nodes], self.source)
+
+    def open_window(self, a: int, b: int, within: Interval | None = None) -> Window:
+        """`window`, run on open rows (deepco.partition.open_rows): the sides of its window that are not at the
+        level's border are open, or those of ``within`` (a participant's window of the level: its runs of the
+        level share one model); crop and FLOPs are then those of the open run. The padded `window` where the
+        segment has no open form."""
+        padded = self.window(a, b)
+        steps = self.steps
+        sides = sides_for(within or padded.input_rows, self.in_height)
+        if steps is None or sides == CLOSED:
+            return padded
+        run = held(steps, self.source, padded.input_rows, sides)
+        lo, hi = run.rows[self.target]
+        if not (lo <= a and b <= hi):
+            raise PartitionError(f"internal: an open run of segment {self.name!r} on rows {padded.input_rows} holds "
+                                 f"rows [{lo}, {hi}), not [{a}, {b})")
+        g, flops = self.partitioner.graph, self.partitioner._flops
+        computed = sum(flops[self.nodes[s.index]] * (run.rows[s.outputs[0]][1] - run.rows[s.outputs[0]][0])
+                       // max(g.hw[s.outputs[0]][0], 1) for s in steps)
+        return replace(padded, crop=(a - lo, b - lo), flops=computed)
 
     def window(self, a: int, b: int) -> Window:
         """Rows, crop, bytes and FLOPs of the segment run that yields output rows [a, b) (checked exact)."""

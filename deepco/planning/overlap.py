@@ -98,17 +98,18 @@ def rest(parts: Sequence[Part], window: Interval) -> Interval | None:
     return (m, window[1]) if window[0] < m < window[1] else None
 
 
-def plan_parts(window_of: Callable[[int], WindowOf], bands: Sequence[Sequence[Interval]],
+def plan_parts(window_of: Callable[[int, int], WindowOf], bands: Sequence[Sequence[Interval]],
                windows: Sequence[Sequence[Interval]], lookahead: bool, participants: Sequence[str],
                device: str) -> list[list[list[Part]]]:
     """`StagedPlan.overlap` for a split's tables: parts for every server at every level it receives a halo
-    for (``window_of(j)`` gives segment j's windows); none for the device (it exchanges nothing)."""
+    for (``window_of(j, i)`` gives segment j's windows as participant i runs them); none for the device (it
+    exchanges nothing)."""
     out: list[list[list[Part]]] = [[[] for _ in participants]]
     for j in range(1, len(bands)):
         level: list[list[Part]] = []
         for i, name in enumerate(participants):
             exchanged = (j > 1 or not lookahead) and receives(bands, windows, j - 1, i)
-            mine = parts(window_of(j), bands[j][i], bands[j - 1][i]) if exchanged and name != device else []
+            mine = parts(window_of(j, i), bands[j][i], bands[j - 1][i]) if exchanged and name != device else []
             lo, hi = windows[j][i]  # every part reads rows the server has anyway: its window's
             level.append(mine if all(lo <= w[0] and w[1] <= hi for _, w, _ in mine) else [])
         out.append(level)

@@ -101,6 +101,10 @@ class StagedPlan:
     # per level (0..n) and participant, its segment's parts in run order (deepco.planning.overlap: the interior
     # while the halo is in flight, then the borders), each ((rows), (window), crop); [] runs it once
     overlap: list = field(default_factory=list)
+    # a split's crops and FLOPs are those of runs on open rows (deepco.partition.open_rows: a participant's model
+    # of a level pads no side of its window that is not at the level's border); False for a plan saved before
+    # open rows existed, which runs the models' own nodes, as its crops say
+    open_rows: bool = True
     predicted: float = 0.0
     breakdown: dict = field(default_factory=dict)
     # set by calibration (`deepco.planning.calibration.fidelity`): measured against predicted, and why when
@@ -123,7 +127,8 @@ class StagedPlan:
                    for level in tensors or []]
         overlap = [[[((int(r[0]), int(r[1])), (int(w[0]), int(w[1])), int(c)) for r, w, c in parts]
                      for parts in level] for level in data.get("overlap", [])]
-        return cls(**data | {"bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
+        return cls(**data | {"open_rows": bool(data.get("open_rows", False)),
+                              "bands": [[tuple(iv) for iv in level] for level in data.get("bands", [])],
                               "windows": [[tuple(iv) for iv in level] for level in data.get("windows", [])],
                               "tensors": tensors, "overlap": overlap})
 
@@ -210,11 +215,13 @@ class CostModel:
             self._segments[key] = self.p.segments(target, models=False, through=through)[-1]
         return self._segments[key]
 
-    def window(self, source: str | None, target: str, a: int, b: int):
-        """The segment's Window for output rows [a, b)."""
-        key = (source or "", target, a, b)
+    def window(self, source: str | None, target: str, a: int, b: int, within: Interval | None = None):
+        """The segment's Window for output rows [a, b) as the staged runtime runs it: on open rows
+        (deepco.partition.open_rows), the sides of its own window, or of ``within`` (a participant's window of
+        the level, whose runs of it share one model), that are not at the level's border open."""
+        key = (source or "", target, a, b, within)
         if key not in self._windows:
-            self._windows[key] = self.segment(source, target).window(a, b)
+            self._windows[key] = self.segment(source, target).open_window(a, b, within)
         return self._windows[key]
 
     def balanced(self, source: str | None, target: str, speeds: Sequence[float]) -> list[Interval]:
@@ -463,7 +470,7 @@ def _stage_done(plan: StagedPlan, costs: CostModel, j: int, i: int, own: float, 
     parts = _parts(plan, j, i)
     if not parts:
         return overlapping.finish(own, halo, whole, None, 0.0, 1, overhead)
-    seconds = [costs.window(names[j - 1], names[j], *rows).flops / speed for rows, _, _ in parts]
+    seconds = [costs.window(names[j - 1], names[j], *rows, plan.windows[j][i]).flops / speed for rows, _, _ in parts]
     return overlapping.finish(own, halo, whole, seconds[0], sum(seconds[1:]), len(parts), overhead)
 
 
@@ -473,7 +480,7 @@ def _stage_work(plan: StagedPlan, costs: CostModel, j: int, i: int) -> tuple[int
     parts = _parts(plan, j, i)
     if not parts:
         return costs.window(names[j - 1], names[j], *plan.bands[j][i]).flops, 0.0
-    flops = sum(costs.window(names[j - 1], names[j], *rows).flops for rows, _, _ in parts)
+    flops = sum(costs.window(names[j - 1], names[j], *rows, plan.windows[j][i]).flops for rows, _, _ in parts)
     return flops, (len(parts) - 1) * overlapping.PART_OVERHEAD
 
 
@@ -692,8 +699,10 @@ def in_parts(plan: StagedPlan, costs: CostModel) -> StagedPlan:
     """``plan`` (a split) with every stage that can overlap its halo run in parts (`deepco.planning.overlap`),
     not re-predicted; its ``overlap`` stays [] where no stage can."""
     names: list[str | None] = [None, *plan.levels]
-    parts = overlapping.plan_parts(lambda j: lambda a, b: costs.window(names[j - 1], names[j], a, b), plan.bands,
-                                   plan.windows, plan.lookahead, plan.servers, DEVICE)
+    def window_of(j: int, i: int):
+        return lambda a, b: costs.window(names[j - 1], names[j], a, b, plan.windows[j][i])
+
+    parts = overlapping.plan_parts(window_of, plan.bands, plan.windows, plan.lookahead, plan.servers, DEVICE)
     return replace(plan, overlap=parts if any(p for level in parts for p in level) else [])
 
 
@@ -713,11 +722,11 @@ def streaming(plan: StagedPlan, costs: CostModel, share: float) -> StagedPlan:
     ``plan`` itself where no server's band can be."""
     names: list[str | None] = [None, *plan.levels]
 
-    def window(a: int, b: int):
-        return costs.window(names[0], names[1], a, b)
-
     first = []
     for i, s in enumerate(plan.servers):
+        def window(a: int, b: int, within: Interval = plan.windows[1][i]):
+            return costs.window(names[0], names[1], a, b, within)
+
         mine = [] if s == DEVICE else overlapping.stream_parts(window, plan.bands[1][i], share)
         first.append(mine if overlapping.rest(mine, plan.windows[0][i]) else [])
     if not any(first):
