@@ -418,7 +418,7 @@ class SplitRunner(StagedRunner):
             loads.append((plan.tail, parts["tail_bytes"],
                           _source(dev, [cut], list(p.graph.outputs), Dims.STATIC, tail.graph.name)))
         names = iter(self._upload_all(loads))
-        # content-addressed; a participant's models of the levels its windows meet no border at are opened
+        # content-addressed; each participant's models are those of its windows' open sides (`participant_sides`)
         self.segment_models = [[] if server == DEVICE else [next(names) for _ in parts["sources"]]
                                for server in plan.servers]
         self.tail_name = next(names) if plan.tail is not None else ""
