@@ -21,7 +21,8 @@ def test_garbage_is_collected_before_the_rest_is_frozen_out_of_full_passes():
     try:
         frozen = freeze_long_lived()
         assert gone() is None  # collected, not frozen for good
-        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        # a frozen object can still be freed (by another test's thread still winding down): the count only falls
+        assert frozen >= len(kept) and 0 < gc.get_freeze_count() <= frozen
         assert not any(gc.is_tracked(k) and any(k is o for o in gc.get_objects()) for k in kept[:3])
     finally:
         gc.unfreeze()  # the other tests' collector as it was
