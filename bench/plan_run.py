@@ -33,7 +33,7 @@ from pathlib import Path
 
 import matplotlib
 from deepco_bench.bench_command import PRESETS, testbed_spec
-from deepco_bench.testbed import Testbed
+from deepco_bench.testbed import DEFAULT_MTU, Testbed
 from deepco_bench.testbed_servers import start_servers
 
 from deepco.errors import UserError
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="zoo name (default: the plans' model, else the preset's)")
     p.add_argument("--input-size", help="HxW (default: the plans', else the preset's)")
     p.add_argument("--frames", type=int, default=14, help="frames per run (default 14)")
+    p.add_argument("--mtu", type=int, default=DEFAULT_MTU, help=f"the testbed links' MTU (default {DEFAULT_MTU})")
     p.add_argument("--skip", type=int, default=2, help="first frames of a run left out of its figures (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each plan, alternating (default 2)")
     p.add_argument("--source", default=str(PHOTO), help="the image or video the device runs (default: the "
@@ -162,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     if not isinstance(preset["device_share"], float):
         raise UserError(f"preset {args.preset}: its camera's share is measured by deepco bench; use another preset")
     spec = testbed_spec([float(x) for x in preset["shares"].split(",")], preset["antennas"], preset["bandwidth"],
-                        preset["device_share"], preset["peer_bandwidth"])
+                        preset["device_share"], preset["peer_bandwidth"], args.mtu)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = []
     with Testbed(spec, defer_cpu_limits=True) as tb:

@@ -73,6 +73,20 @@ def test_a_small_transfer_crosses_at_the_antennas_rate_not_at_line_rate():
     assert 0.03 < seconds < 0.2
 
 @needs_kernel
+@pytest.mark.parametrize("mtu", [1500, 9000])
+def test_every_link_has_the_specs_mtu_and_its_packets_fit_a_slow_radios_bucket(mtu):
+    """A tbf bucket smaller than a packet drops it: at 10 Mbit/s one tick is 1250 bytes, so the bucket holds a
+    whole packet of the links' MTU, and a transfer still crosses at the antenna's rate."""
+    spec = TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("s0"),), mtu=mtu)
+    with Testbed(spec) as tb:
+        link = subprocess.run(["ip", "netns", "exec", tb.server_ns(0), "ip", "-o", "link", "show", "ant0"],
+                              capture_output=True, text=True, check=True).stdout
+        assert f" mtu {mtu} " in link and f"MTU {mtu}" in tb.label
+        seconds = transfer_seconds(tb, 200_000, [(0, 0)])  # 1.6 Mbit: 0.16 s at 10 Mbit/s
+    assert 0.13 < seconds < 0.4
+
+
+@needs_kernel
 def test_server_to_server_traffic_crosses_the_peer_links():
     spec = TestbedSpec(antenna_mbps=(100.0,), servers=(ServerSpec("s0"), ServerSpec("s1")), peer_mbps=20.0)
     size = 1_000_000  # 8 Mbit: 0.4 s at 20 Mbit/s
@@ -174,3 +188,5 @@ def test_bad_specs_are_refused_with_a_clear_message():
         TestbedSpec(antenna_mbps=(10.0,), servers=(ServerSpec("a", cpu=-1),))
     with pytest.raises(UserError, match="positive bandwidth"):
         TestbedSpec(antenna_mbps=(0.0,), servers=())
+    with pytest.raises(UserError, match="MTU 100 is outside"):
+        TestbedSpec(antenna_mbps=(10.0,), servers=(), mtu=100)

@@ -33,7 +33,7 @@ from deepco.plots import save_figure
 from deepco.timelines import gantt, split_text, step_split
 from deepco_bench.benchmark import GO, LOADED
 from deepco_bench.camera import CAMERA, CAMERA_CAP, camera_share
-from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec, cpu_quota_of
+from deepco_bench.testbed import DEFAULT_MTU, ServerSpec, Testbed, TestbedSpec, cpu_quota_of
 from deepco_bench.testbed_servers import shares_for, start_servers
 
 SWEEPS = {
@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-bandwidth", default=None, metavar="MBPS|same|lan",
                    help="each server's own link, which exchanges between servers cross: Mbit/s, 'same' as the "
                         "antennas (wireless peers) or 'lan' (unshaped) (preset; default same)")
+    p.add_argument("--mtu", type=int, default=DEFAULT_MTU,
+                   help=f"every emulated link's MTU in bytes (default {DEFAULT_MTU}; 1500 was the default before "
+                        "2026-11-29: the kernel charged its packets' work to the servers' CPU quotas)")
     p.add_argument("--model", default=None, help="zoo model or .onnx path (preset; default resnet18)")
     p.add_argument("--input-size", default=None, metavar="HxW", help="input size (preset; default 224x224)")
     p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
@@ -192,19 +195,19 @@ def _device_quota_after_loading(tb: Testbed, proc: subprocess.Popen, timeout: fl
 
 
 def testbed_spec(shares: Sequence[float], antennas: int, bandwidth: float, device_share: float,
-                 peer: str | None) -> TestbedSpec:
+                 peer: str | None, mtu: int = DEFAULT_MTU) -> TestbedSpec:
     """A point's testbed: servers s0, s1, ... of these CPU ``shares``, ``antennas`` of ``bandwidth`` Mbit/s each,
-    the device's share, and the servers' own links (``peer``: `peer_bandwidth`'s argument)."""
+    the device's share, the servers' own links (``peer``: `peer_bandwidth`'s argument), every link's ``mtu``."""
     return TestbedSpec(antenna_mbps=(bandwidth,) * antennas,
                        servers=tuple(ServerSpec(f"s{k}", cpu) for k, cpu in enumerate(shares)),
-                       device_cpu=device_share, peer_mbps=peer_bandwidth(peer, bandwidth))
+                       device_cpu=device_share, peer_mbps=peer_bandwidth(peer, bandwidth), mtu=mtu)
 
 
 def one_point(args: argparse.Namespace, servers: int, antennas: int, bandwidth: float, scale: float,
               workdir: Path) -> dict:
     """Build a testbed, start servers, run the device benchmark in it, tear it all down."""
     shares = shares_for(args, servers, scale)
-    spec = testbed_spec(shares, antennas, bandwidth, args.device_share, args.peer_bandwidth)
+    spec = testbed_spec(shares, antennas, bandwidth, args.device_share, args.peer_bandwidth, args.mtu)
     with Testbed(spec, force_fallback=args.fallback, defer_cpu_limits=True) as tb:
         print(tb.label, flush=True)
         cluster, logs = start_servers(tb, workdir, f"{servers}-{antennas}-{bandwidth:g}-{scale:g}")

@@ -359,7 +359,7 @@ def _testbed(args: argparse.Namespace, shares: list[float]) -> TestbedSpec:
     start = full / 10 if args.scenario == "bandwidth-rise" else full
     return TestbedSpec(antenna_mbps=(start,) * args.antennas,
                        servers=tuple(ServerSpec(f"s{k}", cpu) for k, cpu in enumerate(shares)),
-                       device_cpu=args.device_share)
+                       device_cpu=args.device_share, mtu=args.mtu)
 
 
 def _conditions(tb: Testbed, args: argparse.Namespace, shares: list[float], servers: list) -> Conditions:

@@ -45,14 +45,22 @@ _SERIAL = itertools.count()
 
 RADIO_TICK_S = 0.001  # what a radio delivers at once: one LTE transmission interval's worth at its rate
 MIN_BURST_BYTES = 4096  # above a 1500-byte packet, which tbf must be able to send whole
+L2_HEADROOM = 64  # an Ethernet header and then some: tbf measures a packet with its link-layer header
+# Every link's MTU. The emulated radio's packets cross veths, a bridge and two tbf shapers in softirq on the
+# two cores the servers' quotas share, and this kernel has no IRQ time accounting: the work is charged to
+# whichever process was running. At 1500 bytes a transfer to two servers slowed ORT in the two servers that
+# received nothing by 35-38% (bench/radio_cost.py), a cost no separate machine would see; at 9000, by 2-4%.
+DEFAULT_MTU = 9000
+MTU_RANGE = (1280, 65535)
 
 
-def _token_bucket(mbps: float) -> list[str]:
+def _token_bucket(mbps: float, mtu: int = 1500) -> list[str]:
     """tc's tbf arguments for a radio of ``mbps``: its bucket holds one radio tick's worth (at least
-    ``MIN_BURST_BYTES``). A 64 KiB bucket, used before, sent 50 KB at "10 Mbit/s" in 0.2 ms after an idle
+    ``MIN_BURST_BYTES``, and one packet of ``mtu`` bytes: under 72 Mbit/s a 9000-byte packet is more than a
+    tick). A 64 KiB bucket, used before, sent 50 KB at "10 Mbit/s" in 0.2 ms after an idle
     moment (2 Gbit/s), so small transfers (a split's bands) crossed at line rate and a rise of the rate did not
     show in them. tbf cuts the veth's GSO super-packets to fit a small bucket, so none is dropped."""
-    burst = max(MIN_BURST_BYTES, round(mbps * 1e6 / 8 * RADIO_TICK_S))
+    burst = max(MIN_BURST_BYTES, mtu + L2_HEADROOM, round(mbps * 1e6 / 8 * RADIO_TICK_S))
     return ["tbf", "rate", f"{mbps}mbit", "burst", str(burst), "latency", "400ms"]
 
 class TestbedError(UserError):
@@ -78,6 +86,7 @@ class TestbedSpec:
     delay_ms: float = 0.0
     device_cpu: float | None = None  # the device's own share of a core (a camera is no workstation)
     peer_mbps: float | None = None  # each server's own link, which server-to-server traffic crosses (None: LAN)
+    mtu: int = DEFAULT_MTU  # of every link the testbed makes (see DEFAULT_MTU)
 
     def __post_init__(self):
         if not self.antenna_mbps or any(b <= 0 for b in self.antenna_mbps):
@@ -87,6 +96,8 @@ class TestbedSpec:
         if self.device_cpu is not None and not MIN_CPU_SHARE <= self.device_cpu <= os.cpu_count():
             raise UserError(f"testbed: device CPU share {self.device_cpu} is outside "
                             f"[{MIN_CPU_SHARE}, {os.cpu_count()}]")
+        if not MTU_RANGE[0] <= self.mtu <= MTU_RANGE[1]:
+            raise UserError(f"testbed: MTU {self.mtu} is outside [{MTU_RANGE[0]}, {MTU_RANGE[1]}]")
         if len(self.servers) > 200:
             raise UserError("testbed: at most 200 servers")
         for s in self.servers:
@@ -291,7 +302,8 @@ class Testbed:
         device = "unlimited" if spec.device_cpu is None else f"{spec.device_cpu:g} of a core"
         peers = "unshaped (LAN)" if spec.peer_mbps is None else f"{spec.peer_mbps:g} Mbit/s per server link"
         if self.kernel:
-            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, 1 ms bucket, delay {spec.delay_ms:g} ms, "
+            return (f"EMULATED edge network: antennas {bw} Mbit/s (tc tbf, 1 ms bucket, MTU {spec.mtu}, "
+                    f"delay {spec.delay_ms:g} ms, "
                     f"shared per antenna); server CPU shares {cpus} of a core, device {device} (cgroup quotas"
                     f"{', applied once each process has started up' if self.defer_cpu_limits else ''}); "
                     f"server-to-server {peers}; network namespaces")
@@ -360,6 +372,7 @@ class Testbed:
     def _build(self) -> None:
         remove_everything(self.prefix, self.cgroups)  # a previous owner with our pid may have been killed
         p, spec = self.prefix, self.spec
+        mtu = str(spec.mtu)
         ip = ("ip", "netns", "exec")
         _run("ip", "netns", "add", self.device_ns)
         _run(*ip, self.device_ns, "ip", "link", "set", "lo", "up")
@@ -367,10 +380,10 @@ class Testbed:
         for m, mbps in enumerate(spec.antenna_mbps):
             ns = self.antenna_ns(m)
             _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", f"{p}d{m}", "type", "veth", "peer", "name", f"{p}u{m}")
+            _run("ip", "link", "add", f"{p}d{m}", "mtu", mtu, "type", "veth", "peer", "name", f"{p}u{m}", "mtu", mtu)
             _run("ip", "link", "set", f"{p}d{m}", "netns", self.device_ns, "name", f"ant{m}")
             _run("ip", "link", "set", f"{p}u{m}", "netns", ns, "name", "uplink")
-            _run(*ip, ns, "ip", "link", "add", "name", "br0", "type", "bridge")
+            _run(*ip, ns, "ip", "link", "add", "name", "br0", "mtu", mtu, "type", "bridge")
             _run(*ip, ns, "ip", "link", "set", "uplink", "master", "br0")
             for dev in ("br0", "uplink", "lo"):
                 _run(*ip, ns, "ip", "link", "set", dev, "up")
@@ -384,7 +397,8 @@ class Testbed:
             _run(*ip, ns, "ip", "link", "set", "lo", "up")
             for m in range(len(spec.antenna_mbps)):
                 ant = self.antenna_ns(m)
-                _run("ip", "link", "add", f"{p}s{k}", "type", "veth", "peer", "name", f"{p}p{k}")
+                _run("ip", "link", "add", f"{p}s{k}", "mtu", mtu, "type", "veth", "peer", "name", f"{p}p{k}",
+                     "mtu", mtu)
                 _run("ip", "link", "set", f"{p}s{k}", "netns", ns, "name", f"ant{m}")
                 _run("ip", "link", "set", f"{p}p{k}", "netns", ant, "name", f"s{k}")
                 _run(*ip, ant, "ip", "link", "set", f"s{k}", "master", "br0")
@@ -399,7 +413,7 @@ class Testbed:
 
     def _shape(self, ns: str, dev: str, mbps: float) -> None:
         """Token bucket at ``mbps`` on ``dev``'s egress; with a delay, a netem child under it."""
-        tbf = _token_bucket(mbps)
+        tbf = _token_bucket(mbps, self.spec.mtu)
         if self.spec.delay_ms <= 0:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
             return
@@ -414,7 +428,7 @@ class Testbed:
         """Change every antenna's bandwidth, both directions, while processes run (`deepco bench --scenario`)."""
         if not self.kernel:
             raise TestbedError("testbed: changing an antenna's bandwidth mid-run needs the kernel emulation")
-        tbf = _token_bucket(mbps)
+        tbf = _token_bucket(mbps, self.spec.mtu)
         handle = ["handle", "1:"] if self.spec.delay_ms > 0 else []
         for m in range(len(self.spec.antenna_mbps)):
             for ns, dev in ((self.device_ns, f"ant{m}"), (self.antenna_ns(m), "uplink")):
