@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-PHASE_NAMES = ("input", "halo", "queue", "compute", "encode", "send")
+PHASE_NAMES = ("input", "halo", "queue", "compute", "encode", "send", "assemble")
 
 
 def frame_steps(staged: dict) -> list[dict]:
@@ -139,11 +139,12 @@ def by_level_text(table: dict[str, dict[int, dict[str, float]]]) -> str:
 
 
 # What each bar means, and its colour: receive (the input's transfer and decoding), compute, exchange
-# (waiting for peers' rows; encoding and sending rows), queue, the answer's return; idle is the background.
+# (waiting for peers' rows; encoding and sending rows), copying rows into a run's window or a band, queue, the
+# answer's return; idle is the background.
 LEGEND = {"receive": "#4c72b0", "compute": "#55a868", "exchange wait": "#c44e52", "exchange send": "#dd8452",
-          "queue": "#8172b2", "return": "#937860", "device": "#64b5cd"}
+          "copy": "#da8bc3", "queue": "#8172b2", "return": "#937860", "device": "#64b5cd"}
 _BAR = {"input": "receive", "halo": "exchange wait", "queue": "queue", "compute": "compute",
-        "encode": "exchange send", "send": "exchange send"}
+        "encode": "exchange send", "send": "exchange send", "assemble": "copy"}
 
 
 def gantt_bars(staged: dict) -> dict[str, list[tuple[str, float, float]]]:

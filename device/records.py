@@ -53,6 +53,7 @@ class StepTimes:
     encode: float = 0.0
     send: float = 0.0
     wall: float = 0.0  # the step's start to its answer ready, on the server (0: not reported)
+    assemble: float = 0.0  # copying rows into a run's window or a band (0 from a server that does not report it)
     # the timeline: (phase, level, start, end), seconds since the step's start on the server, in order
     phases: tuple[tuple[str, int, float, float], ...] = ()
 
@@ -60,12 +61,13 @@ class StepTimes:
     def from_wire(cls, times) -> StepTimes:
         """From a ``deepco_service_pb2.StepTimes``."""
         return cls(times.input_seconds, times.halo_seconds, times.queue_seconds, times.compute_seconds,
-                   times.encode_seconds, times.send_seconds, times.wall_seconds, phases_of(times))
+                   times.encode_seconds, times.send_seconds, times.wall_seconds, times.assemble_seconds,
+                   phases_of(times))
 
     def to_dict(self) -> dict:
         """JSON form."""
         return {"input": self.input, "halo": self.halo, "queue": self.queue, "compute": self.compute,
-                "encode": self.encode, "send": self.send, "wall": self.wall,
+                "encode": self.encode, "send": self.send, "assemble": self.assemble, "wall": self.wall,
                 "phases": [{"phase": p, "level": level, "start": a, "end": b} for p, level, a, b in self.phases]}
 
 

@@ -388,20 +388,25 @@ class Held:
     def window(self, lo: int, hi: int, take: Callable[[int, tuple[int, int]], np.ndarray], clock: StepClock,
                j: int) -> np.ndarray:
         """Rows [lo, hi) of the level (contiguous), waiting (timed as halo) for the peers' rows among them;
-        ``take(peer, rows)`` waits for a peer's rows."""
+        ``take(peer, rows)`` waits for a peer's rows. The copy into one array is timed as assemble."""
         needed = [peer for peer, (a, b) in self.pending.items() if a < hi and lo < b]
         if needed:
             waited = time.perf_counter()
             for peer in needed:
                 self.pieces.append((self.pending[peer][0], take(peer, self.pending.pop(peer))))
             clock.since("halo", waited, j)
+        copying = time.perf_counter()
         parts = sorted((max(lo, a), array[:, :, max(lo, a) - a:min(hi, a + array.shape[2]) - a])
                        for a, array in self.pieces if a < hi and lo < a + array.shape[2])
         window = parts[0][1] if len(parts) == 1 else np.concatenate([x for _, x in parts], axis=2)
         if window.shape[2] != hi - lo:
             raise Internal(f"split job {self.job.id!r}: assembled {window.shape[2]} rows of level {self.level}, "
                            f"expected [{lo}, {hi})")
-        return np.ascontiguousarray(window)
+        if len(parts) == 1 and window.flags.c_contiguous:
+            return window
+        window = np.ascontiguousarray(window)
+        clock.since("assemble", copying, j)
+        return window
 
 
 TensorRows = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]  # band, crop, window per server
@@ -714,8 +719,13 @@ class SplitJobs:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
                               f"[{lo}, {hi}); crop {crop} + rows {b - a} does not fit")
             rows.append((a, y[:, :, crop:crop + b - a]))
+        if len(rows) == 1:
+            return rows[0][1]
+        stitching = time.perf_counter()
         rows.sort(key=lambda r: r[0])
-        return rows[0][1] if len(rows) == 1 else np.concatenate([r for _, r in rows], axis=2)
+        band = np.concatenate([r for _, r in rows], axis=2)
+        clock.since("assemble", stitching, j)
+        return band
 
     def _compute(self, job: Job, model, feeds: dict[str, np.ndarray], outputs: list[str], clock: StepClock,
                  level: int) -> dict[str, np.ndarray]:
@@ -802,16 +812,18 @@ class SplitJobs:
         output of the model, by name, into ``result.outputs``."""
         last = len(job.models)
         waited = time.perf_counter()
-        whole = {}
+        pieces = {}
         for name, (a, band) in held.items():
-            pieces = [(a, band)]
+            pieces[name] = [(a, band)]
             for peer in range(len(job.peers)):
                 if peer != job.me:
                     rows = job.scales[last][name][0][peer]
-                    pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result, name)))
-            pieces.sort(key=lambda p: p[0])
-            whole[name] = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
-        clock.since("halo", waited, last + 1)
+                    pieces[name].append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result,
+                                                             name)))
+        copying = clock.since("halo", waited, last + 1)
+        whole = {name: np.ascontiguousarray(np.concatenate([p for _, p in sorted(got, key=lambda p: p[0])], axis=2))
+                 for name, got in pieces.items()}
+        clock.since("assemble", copying, last + 1)
         self._run_tail(job, {i.name: whole[i.name] for i in job.tail.inputs}, result, clock)
 
     def _run_tail(self, job: Job, feeds: dict[str, np.ndarray], result: dpb.SplitResult, clock: StepClock) -> None:
@@ -858,9 +870,10 @@ class SplitJobs:
             if peer != job.me:
                 rows = job.bands[-1][peer]
                 pieces.append((rows[0], self._take(job, last, peer, rows, band, outgoing, active, result)))
-        clock.since("halo", waited, last + 1)
+        copying = clock.since("halo", waited, last + 1)
         pieces.sort(key=lambda p: p[0])
         whole = np.ascontiguousarray(np.concatenate([p for _, p in pieces], axis=2))
+        clock.since("assemble", copying, last + 1)
         self._run_tail(job, {job.tail.inputs[0].name: whole}, result, clock)
 
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,

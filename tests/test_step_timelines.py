@@ -40,7 +40,7 @@ def check_timeline(step: dict) -> None:
     for p in phases:
         assert end - 1e-9 <= p["start"] <= p["end"] <= times["wall"] + 1e-9, (p, times["wall"])
         end = p["end"]
-    for name in ("input", "halo", "queue", "compute", "encode", "send"):
+    for name in ("input", "halo", "queue", "compute", "encode", "send", "assemble"):
         total = sum(p["end"] - p["start"] for p in phases if p["phase"] == name)
         assert abs(total - times[name]) < 1e-9
     assert sum(p["end"] - p["start"] for p in phases) <= times["wall"] + 1e-9
@@ -70,6 +70,10 @@ def test_a_split_frames_steps_carry_timelines_within_their_wall_time_and_draw_a_
             assert sum(s["wall"] for s in segments) == pytest.approx(step["times"]["wall"], abs=1e-9)
         gatherer, other = steps
         assert {p["phase"] for p in gatherer["times"]["phases"]} >= {"input", "halo", "compute", "encode"}
+        # the copies into one array are timed too: the second stage's window (its rows and the peer's), the
+        # gathered last level before the tail
+        assembled = {p["level"] for p in gatherer["times"]["phases"] if p["phase"] == "assemble"}
+        assert assembled >= {2, 3}, gatherer["times"]["phases"]
         assert [s["level"] for s in segment_steps(gatherer["times"])] == [1, 2, 3]  # two segments and the tail
         assert {p["phase"] for p in other["times"]["phases"]} >= {"encode", "send", "compute"}
     split = step_split(records)
@@ -82,6 +86,7 @@ def test_a_split_frames_steps_carry_timelines_within_their_wall_time_and_draw_a_
     assert "device" in bars and any(label.startswith("s1 (antenna ") for label in bars)
     assert any(what == "exchange wait" for what, _, _ in bars[s0])
     assert any(what == "compute" for what, _, _ in bars[s0])
+    assert any(what == "copy" for what, _, _ in bars[s0])
     path = tmp_path / "frame.png"
     gantt(records[0]["staged"], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from deepco.wire import inference_pb2 as inference__pb2
 
 
-DESCRIPTOR = _deepco_pool.POOL.AddSerializedFile(b'\n\x14\x64\x65\x65pco_service.proto\x12\x06\x64\x65\x65pco\x1a\x0finference.proto\"5\n\x11\x46\x65tchWholeRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\"(\n\nWholeChunk\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"=\n\x10ProbePeerRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\r\x12\x0c\n\x04runs\x18\x03 \x01(\r\"A\n\x11ProbePeerResponse\x12\x15\n\rsmall_seconds\x18\x01 \x01(\x01\x12\x15\n\rlarge_seconds\x18\x02 \x01(\x01\"\x8e\x01\n\x08RunEvent\x12\'\n\x08received\x18\x01 \x01(\x0b\x32\x13.deepco.RunReceivedH\x00\x12#\n\x06result\x18\x02 \x01(\x0b\x32\x11.deepco.RunResultH\x00\x12+\n\x0csplit_result\x18\x03 \x01(\x0b\x32\x13.deepco.SplitResultH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bRunReceived\"j\n\tRunResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12 \n\x05times\x18\x04 \x01(\x0b\x32\x11.deepco.StepTimesJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\xcf\x01\n\tStepTimes\x12\x15\n\rinput_seconds\x18\x01 \x01(\x01\x12\x14\n\x0chalo_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x05 \x01(\x01\x12\x14\n\x0csend_seconds\x18\x06 \x01(\x01\x12!\n\x06phases\x18\x07 \x03(\x0b\x32\x11.deepco.StepPhase\x12\x14\n\x0cwall_seconds\x18\x08 \x01(\x01\"\xb7\x01\n\tStepPhase\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.deepco.StepPhase.Kind\x12\r\n\x05level\x18\x02 \x01(\r\x12\x15\n\rstart_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_seconds\x18\x04 \x01(\x01\"I\n\x04Kind\x12\t\n\x05INPUT\x10\x00\x12\x08\n\x04HALO\x10\x01\x12\t\n\x05QUEUE\x10\x02\x12\x0b\n\x07\x43OMPUTE\x10\x03\x12\n\n\x06\x45NCODE\x10\x04\x12\x08\n\x04SEND\x10\x05\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Q\n\x0eProfileRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04runs\x18\x03 \x01(\r\x12\x0e\n\x06warmup\x18\x04 \x01(\r\"S\n\x0fProfileResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x13\n\x0brun_seconds\x18\x02 \x03(\x01\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\"D\n\x04Rows\x12\x10\n\x08\x64\x61tatype\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05start\x18\x04 \x01(\x03\"\'\n\x08RowRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"\xa7\x01\n\nSplitLevel\x12\x1f\n\x05owned\x18\x01 \x03(\x0b\x32\x10.deepco.RowRange\x12 \n\x06window\x18\x02 \x03(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x03(\x03\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.deepco.LevelTensor\x12\"\n\x05parts\x18\x05 \x03(\x0b\x32\x13.deepco.ServerParts\".\n\x0bServerParts\x12\x1f\n\x04part\x18\x01 \x03(\x0b\x32\x11.deepco.StagePart\"[\n\tStagePart\x12\x1e\n\x04rows\x18\x01 \x01(\x0b\x32\x10.deepco.RowRange\x12 \n\x06window\x18\x02 \x01(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x01(\x03\"l\n\x0bLevelTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05owned\x18\x02 \x03(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x03(\x03\x12 \n\x06window\x18\x04 \x03(\x0b\x32\x10.deepco.RowRange\"\xf0\x01\n\x10StageDescription\x12\x14\n\x0cwhole_sha256\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x0f\n\x07outputs\x18\x03 \x03(\t\x12+\n\x04\x64ims\x18\x04 \x01(\x0e\x32\x1d.deepco.StageDescription.Dims\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0e\n\x06height\x18\x06 \x01(\r\x12\r\n\x05width\x18\x07 \x01(\r\x12\x11\n\topen_rows\x18\x08 \x01(\r\"8\n\x04\x44ims\x12\x08\n\x04ROWS\x10\x00\x12\x0f\n\x0bTENSOR_ROWS\x10\x01\x12\n\n\x06STATIC\x10\x02\x12\t\n\x05WHOLE\x10\x03\"\x9e\x02\n\x0cSplitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0esegment_models\x18\x02 \x03(\t\x12\x14\n\x0cserver_index\x18\x03 \x01(\r\x12\r\n\x05peers\x18\x04 \x03(\t\x12\"\n\x06levels\x18\x05 \x03(\x0b\x32\x12.deepco.SplitLevel\x12\x1b\n\x05input\x18\x06 \x01(\x0b\x32\x0c.deepco.Rows\x12 \n\x18\x65xchange_timeout_seconds\x18\x07 \x01(\x01\x12\x11\n\tlookahead\x18\x08 \x01(\x08\x12\x11\n\tgather_to\x18\t \x01(\r\x12\x12\n\ntail_model\x18\n \x01(\t\x12$\n\ninput_rest\x18\x0b \x01(\x0b\x32\x10.deepco.RowRange\"\xe1\x01\n\x0bSplitResult\x12\x1c\n\x06output\x18\x01 \x01(\x0b\x32\x0c.deepco.Rows\x12 \n\x05times\x18\n \x01(\x0b\x32\x11.deepco.StepTimes\x12\x19\n\x11messages_received\x18\x05 \x01(\r\x12\x15\n\rmessages_sent\x18\x06 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\"\n\x07outputs\x18\t \x03(\x0b\x32\x11.deepco.NamedRowsJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"5\n\tNamedRows\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x04rows\x18\x02 \x01(\x0b\x32\x0c.deepco.Rows\"h\n\x0bRowsMessage\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\r\n\x05level\x18\x03 \x01(\r\x12\x1a\n\x04rows\x18\x04 \x01(\x0b\x32\x0c.deepco.Rows\x12\x0e\n\x06tensor\x18\x05 \x01(\t\"\x1f\n\x0b\x45xchangeAck\x12\x10\n\x08messages\x18\x01 \x01(\r2\xb9\x03\n\rDeepcoService\x12<\n\x07Profile\x12\x16.deepco.ProfileRequest\x1a\x17.deepco.ProfileResponse\"\x00\x12\x39\n\x03Run\x12\x1c.inference.ModelInferRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12\x33\n\x04\x45\x63ho\x12\x13.deepco.EchoRequest\x1a\x14.deepco.EchoResponse\"\x00\x12\x36\n\x08SplitRun\x12\x14.deepco.SplitRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12=\n\rSplitExchange\x12\x13.deepco.RowsMessage\x1a\x13.deepco.ExchangeAck\"\x00(\x01\x12\x42\n\tProbePeer\x12\x18.deepco.ProbePeerRequest\x1a\x19.deepco.ProbePeerResponse\"\x00\x12?\n\nFetchWhole\x12\x19.deepco.FetchWholeRequest\x1a\x12.deepco.WholeChunk\"\x00\x30\x01\x62\x06proto3')
+DESCRIPTOR = _deepco_pool.POOL.AddSerializedFile(b'\n\x14\x64\x65\x65pco_service.proto\x12\x06\x64\x65\x65pco\x1a\x0finference.proto\"5\n\x11\x46\x65tchWholeRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\"(\n\nWholeChunk\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"=\n\x10ProbePeerRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\r\x12\x0c\n\x04runs\x18\x03 \x01(\r\"A\n\x11ProbePeerResponse\x12\x15\n\rsmall_seconds\x18\x01 \x01(\x01\x12\x15\n\rlarge_seconds\x18\x02 \x01(\x01\"\x8e\x01\n\x08RunEvent\x12\'\n\x08received\x18\x01 \x01(\x0b\x32\x13.deepco.RunReceivedH\x00\x12#\n\x06result\x18\x02 \x01(\x0b\x32\x11.deepco.RunResultH\x00\x12+\n\x0csplit_result\x18\x03 \x01(\x0b\x32\x13.deepco.SplitResultH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bRunReceived\"j\n\tRunResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12 \n\x05times\x18\x04 \x01(\x0b\x32\x11.deepco.StepTimesJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\xe9\x01\n\tStepTimes\x12\x15\n\rinput_seconds\x18\x01 \x01(\x01\x12\x14\n\x0chalo_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x05 \x01(\x01\x12\x14\n\x0csend_seconds\x18\x06 \x01(\x01\x12!\n\x06phases\x18\x07 \x03(\x0b\x32\x11.deepco.StepPhase\x12\x14\n\x0cwall_seconds\x18\x08 \x01(\x01\x12\x18\n\x10\x61ssemble_seconds\x18\t \x01(\x01\"\xc5\x01\n\tStepPhase\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.deepco.StepPhase.Kind\x12\r\n\x05level\x18\x02 \x01(\r\x12\x15\n\rstart_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_seconds\x18\x04 \x01(\x01\"W\n\x04Kind\x12\t\n\x05INPUT\x10\x00\x12\x08\n\x04HALO\x10\x01\x12\t\n\x05QUEUE\x10\x02\x12\x0b\n\x07\x43OMPUTE\x10\x03\x12\n\n\x06\x45NCODE\x10\x04\x12\x08\n\x04SEND\x10\x05\x12\x0c\n\x08\x41SSEMBLE\x10\x06\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Q\n\x0eProfileRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04runs\x18\x03 \x01(\r\x12\x0e\n\x06warmup\x18\x04 \x01(\r\"S\n\x0fProfileResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x13\n\x0brun_seconds\x18\x02 \x03(\x01\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\"D\n\x04Rows\x12\x10\n\x08\x64\x61tatype\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05start\x18\x04 \x01(\x03\"\'\n\x08RowRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"\xa7\x01\n\nSplitLevel\x12\x1f\n\x05owned\x18\x01 \x03(\x0b\x32\x10.deepco.RowRange\x12 \n\x06window\x18\x02 \x03(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x03(\x03\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.deepco.LevelTensor\x12\"\n\x05parts\x18\x05 \x03(\x0b\x32\x13.deepco.ServerParts\".\n\x0bServerParts\x12\x1f\n\x04part\x18\x01 \x03(\x0b\x32\x11.deepco.StagePart\"[\n\tStagePart\x12\x1e\n\x04rows\x18\x01 \x01(\x0b\x32\x10.deepco.RowRange\x12 \n\x06window\x18\x02 \x01(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x01(\x03\"l\n\x0bLevelTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05owned\x18\x02 \x03(\x0b\x32\x10.deepco.RowRange\x12\x0c\n\x04\x63rop\x18\x03 \x03(\x03\x12 \n\x06window\x18\x04 \x03(\x0b\x32\x10.deepco.RowRange\"\xf0\x01\n\x10StageDescription\x12\x14\n\x0cwhole_sha256\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x0f\n\x07outputs\x18\x03 \x03(\t\x12+\n\x04\x64ims\x18\x04 \x01(\x0e\x32\x1d.deepco.StageDescription.Dims\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0e\n\x06height\x18\x06 \x01(\r\x12\r\n\x05width\x18\x07 \x01(\r\x12\x11\n\topen_rows\x18\x08 \x01(\r\"8\n\x04\x44ims\x12\x08\n\x04ROWS\x10\x00\x12\x0f\n\x0bTENSOR_ROWS\x10\x01\x12\n\n\x06STATIC\x10\x02\x12\t\n\x05WHOLE\x10\x03\"\x9e\x02\n\x0cSplitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0esegment_models\x18\x02 \x03(\t\x12\x14\n\x0cserver_index\x18\x03 \x01(\r\x12\r\n\x05peers\x18\x04 \x03(\t\x12\"\n\x06levels\x18\x05 \x03(\x0b\x32\x12.deepco.SplitLevel\x12\x1b\n\x05input\x18\x06 \x01(\x0b\x32\x0c.deepco.Rows\x12 \n\x18\x65xchange_timeout_seconds\x18\x07 \x01(\x01\x12\x11\n\tlookahead\x18\x08 \x01(\x08\x12\x11\n\tgather_to\x18\t \x01(\r\x12\x12\n\ntail_model\x18\n \x01(\t\x12$\n\ninput_rest\x18\x0b \x01(\x0b\x32\x10.deepco.RowRange\"\xe1\x01\n\x0bSplitResult\x12\x1c\n\x06output\x18\x01 \x01(\x0b\x32\x0c.deepco.Rows\x12 \n\x05times\x18\n \x01(\x0b\x32\x11.deepco.StepTimes\x12\x19\n\x11messages_received\x18\x05 \x01(\r\x12\x15\n\rmessages_sent\x18\x06 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\"\n\x07outputs\x18\t \x03(\x0b\x32\x11.deepco.NamedRowsJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"5\n\tNamedRows\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x04rows\x18\x02 \x01(\x0b\x32\x0c.deepco.Rows\"h\n\x0bRowsMessage\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\r\n\x05level\x18\x03 \x01(\r\x12\x1a\n\x04rows\x18\x04 \x01(\x0b\x32\x0c.deepco.Rows\x12\x0e\n\x06tensor\x18\x05 \x01(\t\"\x1f\n\x0b\x45xchangeAck\x12\x10\n\x08messages\x18\x01 \x01(\r2\xb9\x03\n\rDeepcoService\x12<\n\x07Profile\x12\x16.deepco.ProfileRequest\x1a\x17.deepco.ProfileResponse\"\x00\x12\x39\n\x03Run\x12\x1c.inference.ModelInferRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12\x33\n\x04\x45\x63ho\x12\x13.deepco.EchoRequest\x1a\x14.deepco.EchoResponse\"\x00\x12\x36\n\x08SplitRun\x12\x14.deepco.SplitRequest\x1a\x10.deepco.RunEvent\"\x00\x30\x01\x12=\n\rSplitExchange\x12\x13.deepco.RowsMessage\x1a\x13.deepco.ExchangeAck\"\x00(\x01\x12\x42\n\tProbePeer\x12\x18.deepco.ProbePeerRequest\x1a\x19.deepco.ProbePeerResponse\"\x00\x12?\n\nFetchWhole\x12\x19.deepco.FetchWholeRequest\x1a\x12.deepco.WholeChunk\"\x00\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,45 +48,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNRESULT']._serialized_start=436
   _globals['_RUNRESULT']._serialized_end=542
   _globals['_STEPTIMES']._serialized_start=545
-  _globals['_STEPTIMES']._serialized_end=752
-  _globals['_STEPPHASE']._serialized_start=755
-  _globals['_STEPPHASE']._serialized_end=938
-  _globals['_STEPPHASE_KIND']._serialized_start=865
-  _globals['_STEPPHASE_KIND']._serialized_end=938
-  _globals['_ECHOREQUEST']._serialized_start=940
-  _globals['_ECHOREQUEST']._serialized_end=991
-  _globals['_ECHORESPONSE']._serialized_start=993
-  _globals['_ECHORESPONSE']._serialized_end=1024
-  _globals['_PROFILEREQUEST']._serialized_start=1026
-  _globals['_PROFILEREQUEST']._serialized_end=1107
-  _globals['_PROFILERESPONSE']._serialized_start=1109
-  _globals['_PROFILERESPONSE']._serialized_end=1192
-  _globals['_ROWS']._serialized_start=1194
-  _globals['_ROWS']._serialized_end=1262
-  _globals['_ROWRANGE']._serialized_start=1264
-  _globals['_ROWRANGE']._serialized_end=1303
-  _globals['_SPLITLEVEL']._serialized_start=1306
-  _globals['_SPLITLEVEL']._serialized_end=1473
-  _globals['_SERVERPARTS']._serialized_start=1475
-  _globals['_SERVERPARTS']._serialized_end=1521
-  _globals['_STAGEPART']._serialized_start=1523
-  _globals['_STAGEPART']._serialized_end=1614
-  _globals['_LEVELTENSOR']._serialized_start=1616
-  _globals['_LEVELTENSOR']._serialized_end=1724
-  _globals['_STAGEDESCRIPTION']._serialized_start=1727
-  _globals['_STAGEDESCRIPTION']._serialized_end=1967
-  _globals['_STAGEDESCRIPTION_DIMS']._serialized_start=1911
-  _globals['_STAGEDESCRIPTION_DIMS']._serialized_end=1967
-  _globals['_SPLITREQUEST']._serialized_start=1970
-  _globals['_SPLITREQUEST']._serialized_end=2256
-  _globals['_SPLITRESULT']._serialized_start=2259
-  _globals['_SPLITRESULT']._serialized_end=2484
-  _globals['_NAMEDROWS']._serialized_start=2486
-  _globals['_NAMEDROWS']._serialized_end=2539
-  _globals['_ROWSMESSAGE']._serialized_start=2541
-  _globals['_ROWSMESSAGE']._serialized_end=2645
-  _globals['_EXCHANGEACK']._serialized_start=2647
-  _globals['_EXCHANGEACK']._serialized_end=2678
-  _globals['_DEEPCOSERVICE']._serialized_start=2681
-  _globals['_DEEPCOSERVICE']._serialized_end=3122
+  _globals['_STEPTIMES']._serialized_end=778
+  _globals['_STEPPHASE']._serialized_start=781
+  _globals['_STEPPHASE']._serialized_end=978
+  _globals['_STEPPHASE_KIND']._serialized_start=891
+  _globals['_STEPPHASE_KIND']._serialized_end=978
+  _globals['_ECHOREQUEST']._serialized_start=980
+  _globals['_ECHOREQUEST']._serialized_end=1031
+  _globals['_ECHORESPONSE']._serialized_start=1033
+  _globals['_ECHORESPONSE']._serialized_end=1064
+  _globals['_PROFILEREQUEST']._serialized_start=1066
+  _globals['_PROFILEREQUEST']._serialized_end=1147
+  _globals['_PROFILERESPONSE']._serialized_start=1149
+  _globals['_PROFILERESPONSE']._serialized_end=1232
+  _globals['_ROWS']._serialized_start=1234
+  _globals['_ROWS']._serialized_end=1302
+  _globals['_ROWRANGE']._serialized_start=1304
+  _globals['_ROWRANGE']._serialized_end=1343
+  _globals['_SPLITLEVEL']._serialized_start=1346
+  _globals['_SPLITLEVEL']._serialized_end=1513
+  _globals['_SERVERPARTS']._serialized_start=1515
+  _globals['_SERVERPARTS']._serialized_end=1561
+  _globals['_STAGEPART']._serialized_start=1563
+  _globals['_STAGEPART']._serialized_end=1654
+  _globals['_LEVELTENSOR']._serialized_start=1656
+  _globals['_LEVELTENSOR']._serialized_end=1764
+  _globals['_STAGEDESCRIPTION']._serialized_start=1767
+  _globals['_STAGEDESCRIPTION']._serialized_end=2007
+  _globals['_STAGEDESCRIPTION_DIMS']._serialized_start=1951
+  _globals['_STAGEDESCRIPTION_DIMS']._serialized_end=2007
+  _globals['_SPLITREQUEST']._serialized_start=2010
+  _globals['_SPLITREQUEST']._serialized_end=2296
+  _globals['_SPLITRESULT']._serialized_start=2299
+  _globals['_SPLITRESULT']._serialized_end=2524
+  _globals['_NAMEDROWS']._serialized_start=2526
+  _globals['_NAMEDROWS']._serialized_end=2579
+  _globals['_ROWSMESSAGE']._serialized_start=2581
+  _globals['_ROWSMESSAGE']._serialized_end=2685
+  _globals['_EXCHANGEACK']._serialized_start=2687
+  _globals['_EXCHANGEACK']._serialized_end=2718
+  _globals['_DEEPCOSERVICE']._serialized_start=2721
+  _globals['_DEEPCOSERVICE']._serialized_end=3162
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,8 @@ from deepco.wire import deepco_service_pb2 as dpb
 
 # A phase's name (the JSON log's, device/records.py's StepTimes field) -> its StepTimes sum field.
 PHASES: dict[str, str] = {"input": "input_seconds", "halo": "halo_seconds", "queue": "queue_seconds",
-                          "compute": "compute_seconds", "encode": "encode_seconds", "send": "send_seconds"}
+                          "compute": "compute_seconds", "encode": "encode_seconds", "send": "send_seconds",
+                          "assemble": "assemble_seconds"}
 _KIND = {name: dpb.StepPhase.Kind.Value(name.upper()) for name in PHASES}
 _NAME = {kind: name for name, kind in _KIND.items()}
 
