@@ -21,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from deepco_bench.bench_command import PRESETS
 from deepco_bench.testbed import ServerSpec, Testbed, TestbedSpec
 
-SHARES = (0.45, 0.45, 0.35, 0.35)  # the camera preset's servers
+SHARES = tuple(float(s) for s in PRESETS["camera"]["shares"].split(","))  # the camera preset's servers
 SINK = """
 import socket, threading
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 9000)); s.listen(8)

@@ -49,12 +49,12 @@ L2_HEADROOM = 64  # an Ethernet header and then some: tbf measures a packet with
 # Every link's MTU. The emulated radio's packets cross veths, a bridge and two tbf shapers in softirq on the
 # two cores the servers' quotas share, and this kernel has no IRQ time accounting: the work is charged to
 # whichever process was running. At 1500 bytes a transfer to two servers slowed ORT in the two servers that
-# received nothing by 35-38% (bench/radio_cost.py), a cost no separate machine would see; at 9000, by 2-4%.
+# received nothing by 31-38% (bench/radio_cost.py), a cost no separate machine would see; at 9000, by 2-4%.
 DEFAULT_MTU = 9000
 MTU_RANGE = (1280, 65535)
 
 
-def _token_bucket(mbps: float, mtu: int = 1500) -> list[str]:
+def _token_bucket(mbps: float, mtu: int = DEFAULT_MTU) -> list[str]:
     """tc's tbf arguments for a radio of ``mbps``: its bucket holds one radio tick's worth (at least
     ``MIN_BURST_BYTES``, and one packet of ``mtu`` bytes: under 72 Mbit/s a 9000-byte packet is more than a
     tick). A 64 KiB bucket, used before, sent 50 KB at "10 Mbit/s" in 0.2 ms after an idle
