@@ -15,6 +15,7 @@ from deepco.planning.plan import PlanningError
 from deepco.planning.staged import (
     CostModel,
     Rates,
+    _best_levels,
     local_plan,
     offload_plan,
     pipelined,
@@ -165,3 +166,21 @@ def test_refit_sizes_a_plans_bands_for_the_rates_it_meets_and_keeps_its_shape(co
     assert fitted.predicted < predict(made, costs, true)["frame"]
     offload = offload_plan(costs, guessed, "s1")  # no bands: re-predicted only
     assert refit(offload, costs, true).predicted == pytest.approx(predict(offload, costs, true)["frame"])
+
+
+def test_the_programme_that_proposes_stage_boundaries_charges_each_stage_a_step(costs):
+    """Every stage costs the simulation a step's fixed cost (`Rates.step_overhead`); the dynamic programme
+    that proposes the chains of stages charges it too, so a costly step leaves chains of fewer stages, and
+    the chain it finds is predicted no slower than the one found as if steps were free."""
+    chosen = ["s0", "s1"]
+    free = rates(bw=1e12)
+    costly = replace(free, step_overhead=0.5)
+    many = _best_levels(costs, free, chosen, False, None)
+    few = _best_levels(costs, costly, chosen, False, None)
+    assert max(len(chain) for chain in many) > 1  # free steps: exchanging beats recomputing the halo
+    assert all(len(chain) == 1 for chain in few), few  # a step dearer than any halo: one stage to each cut
+    deepest = costs.cuts[-1].name
+    for lookahead in (False, True):
+        plans = [split_plan(costs, costly, chosen, next(c for c in chains if c[-1] == deepest), lookahead, None)
+                 for chains in (few, many)]
+        assert plans[0].predicted <= plans[1].predicted

@@ -797,7 +797,8 @@ def scales_chain(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahea
 def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source: str | None, target: str,
                    first: bool, lookahead: bool) -> float:
     """The barrier model of one stage for the dynamic programme: the slowest participant's exchange plus
-    compute, on capacity-proportional bands (the exact simulation ranks the finished plans)."""
+    compute, on capacity-proportional bands, plus the step's fixed cost that `predict` charges every stage
+    (``Rates.step_overhead``; the exact simulation ranks the finished plans)."""
     weights = [rates.server_flops_per_second[s] for s in chosen]
     try:
         bands = ownership(weights, [costs.height_of(source), costs.height_of(target)])
@@ -815,7 +816,9 @@ def _stage_seconds(costs: CostModel, rates: Rates, chosen: Sequence[str], source
             if halo:
                 seconds += rates.peer_overhead + halo * row / rates.peer_bytes_per_second
         worst = max(worst, seconds)
-    return worst
+    # Without the fixed cost the programme saw a stage as free beyond its work and offered only chains of
+    # many stages, which the simulation then charged a step each (scales_chain's programme charges it too).
+    return worst + rates.step_overhead
 
 
 def _best_levels(costs: CostModel, rates: Rates, chosen: Sequence[str], lookahead: bool,
