@@ -7,11 +7,17 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 
+import grpc
 import pytest
 from deepco_server.app import ServeConfig, Server
 
+from deepco.errors import UserError
+from deepco.wire import inference_pb2 as pb
+from deepco.wire import inference_pb2_grpc as pb_grpc
 from deepco.wire.client import InferenceClient, ServerError
+from deepco.wire.security import make_channel
 
 
 def _refused_address() -> str:
@@ -55,3 +61,41 @@ def test_a_wait_for_a_server_that_is_up_answers_ready():
             assert _pollers() == []
     finally:
         server.stop(grace=0)
+
+
+def _ready(channel: grpc.Channel, timeout: float) -> str:
+    """'ok', or the status a ServerReady on ``channel`` ended with."""
+    try:
+        pb_grpc.GRPCInferenceServiceStub(channel).ServerReady(pb.ServerReadyRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc.code().name
+    return "ok"
+
+
+def test_a_new_channel_reaches_a_server_back_on_an_address_another_channel_saw_refused():
+    """A server stops and another comes up on its port while an older channel to the port sits in reconnect
+    backoff: a channel opened now connects at once (gRPC's shared subchannels answered it with the older
+    channel's "Connection refused": a CI run failed on it)."""
+    first = Server(ServeConfig(port=0, device="cpu", threads=1))
+    address, port = first.address, first.port
+    first.stop(0)
+    stale = make_channel(address)
+    try:
+        assert _ready(stale, timeout=2) == "UNAVAILABLE"  # the old channel has seen the port refuse
+        second = None
+        deadline = time.monotonic() + 10  # gRPC releases a stopped server's port a moment after stop() returns
+        while second is None:
+            try:
+                second = Server(ServeConfig(port=port, device="cpu", threads=1))
+            except UserError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        try:
+            with make_channel(address) as fresh:
+                assert _ready(fresh, timeout=0.2) == "ok"
+        finally:
+            second.stop(0)
+    finally:
+        stale.close()
+

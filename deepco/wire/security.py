@@ -150,6 +150,11 @@ class TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
 # every half second (device.health), so it reconnects at least every second.
 RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                      ("grpc.max_reconnect_backoff_ms", 1000))
+# By default gRPC shares one connection (a subchannel) between every channel of a process to the same address,
+# with its backoff: a new channel to a server that came back on an address another channel saw refused failed
+# at once with that channel's "Connection refused" (a CI run hit it), and two antennas' channels to one server
+# would share one TCP connection. Each channel keeps its own.
+CHANNEL_OPTIONS = (*RECONNECT_OPTIONS, ("grpc.use_local_subchannel_pool", 1))
 
 
 def make_channel(address: str, security: ChannelSecurity | None = None,
@@ -157,7 +162,7 @@ def make_channel(address: str, security: ChannelSecurity | None = None,
     """A channel to ``address`` secured as ``security`` says (plain text when None), with DeepCo's message
     size options. Close it with ``.close()`` as any gRPC channel."""
     security = security or ChannelSecurity()
-    opts = [*options, *RECONNECT_OPTIONS]
+    opts = [*options, *CHANNEL_OPTIONS]
     if security.server_name:
         opts.append(("grpc.ssl_target_name_override", security.server_name))
     if security.tls:
