@@ -223,6 +223,7 @@ class Server:
         self.state.draining.set()
         self.health.enter_graceful_shutdown()  # health checks now say NOT_SERVING
         self.grpc.stop(self.config.grace if grace is None else grace).wait()
+        self.state.peer_channels.close()
         self.budgets.close()
         self.metrics.close()
 

@@ -78,6 +78,13 @@ class PeerChannels:
                 channel = self._channels[address] = self.open_channel(address, GRPC_MESSAGE_OPTIONS)
             return dpb_grpc.DeepcoServiceStub(channel)
 
+    def close(self) -> None:
+        """Close every reused channel (a stopped server keeps no connection to its peers retrying)."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
     @contextlib.contextmanager
     def dialled(self, address: str, max_receive: int) -> Iterator[dpb_grpc.DeepcoServiceStub]:
         """A stub to the peer at ``address`` (checked first) on a channel of its own, closed after, that takes no

@@ -99,3 +99,23 @@ def test_a_new_channel_reaches_a_server_back_on_an_address_another_channel_saw_r
     finally:
         stale.close()
 
+
+
+def test_a_stopped_server_closes_the_channels_it_dialled_to_its_peers():
+    """A server's channels to its peers are reused across jobs; once it stops they are closed, not left
+    retrying a peer that may be gone (in-process servers stopped in a test run leaked them)."""
+    peer = Server(ServeConfig(port=0, device="cpu", threads=1))
+    server = Server(ServeConfig(port=0, device="cpu", threads=1))
+    opened: list[grpc.Channel] = []
+    dial = server.state.peer_channels.open_channel
+    server.state.peer_channels.open_channel = lambda address, options: opened.append(dial(address, options)) \
+        or opened[-1]
+    try:
+        server.state.peer_channels.checked_stub(peer.address)
+        assert len(opened) == 1 and _ready(opened[0], timeout=2) == "ok"
+        server.stop(0)
+        with pytest.raises(ValueError, match="closed channel"):
+            _ready(opened[0], timeout=2)
+    finally:
+        server.stop(0)
+        peer.stop(0)
