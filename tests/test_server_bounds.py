@@ -9,6 +9,7 @@ inflight x request bound + held bytes + 256 MB, and its log must carry no traceb
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from attack_support import (
     unread_replies,
     wide_conv_transpose_model,
 )
+from deepco_server import budgets
 from deepco_server.app import ServeConfig, Server
 from deepco_server.errors import ResourceExhausted
 from deepco_server.model_checks import SizeBound, check_fixed_size_elements, parse_model
@@ -42,9 +44,11 @@ from onnx import TensorProto, helper
 from test_server_support import conv_model, metric_sum, reference, scrape, serve_process, wait_until
 
 from deepco.wire import deepco_service_pb2 as dpb
+from deepco.wire import deepco_service_pb2_grpc as dpb_grpc
 from deepco.wire import inference_pb2 as pb
 from deepco.wire.client import InferenceClient, ServerError
 from deepco.wire.rows import encode_rows
+from deepco.wire.security import make_channel
 
 MIB = 1 << 20
 REQUEST, HELD, INFLIGHT = 16 * MIB, 32 * MIB, 2
@@ -335,3 +339,30 @@ def test_the_probes_stayed_answering_after_every_attack(attacked: Attacked) -> N
     outcomes = answer_within(attacked.address)
     assert all(o.startswith(("OK", "NOT_FOUND")) for o in outcomes.values()), outcomes
     assert "Traceback" not in attacked.log
+
+
+def test_freed_memory_is_given_back_once_no_call_is_open_not_during_one(monkeypatch) -> None:
+    """The server gives freed memory back when quiet; a call open for longer than the quiet time (a split job
+    of a big frame) is not quiet: giving memory back under it made its next windows take fresh pages."""
+    given: list[float] = []
+    monkeypatch.setattr(budgets, "release_freed_memory", lambda: given.append(time.monotonic()) or True)
+    monkeypatch.setattr(budgets, "QUIET_SECONDS", 0.3)
+    monkeypatch.setattr(budgets, "SWEEP_SECONDS", 0.05)
+    srv = Server(ServeConfig(port=0, device="cpu", threads=1))
+    try:
+        def rows_later():  # a peer's exchange stream, open 1.5 s before its only message
+            time.sleep(1.5)
+            yield dpb.RowsMessage(job_id="held-open", sender=0, level=0)
+
+        with make_channel(srv.address) as channel:
+            exchange = dpb_grpc.DeepcoServiceStub(channel).SplitExchange.future(rows_later(), timeout=10)
+            wait_until(lambda: srv.budgets.open_calls == 1, 5, "the exchange stream open")
+            given.clear()  # whatever the load of the server's start left
+            opened = time.monotonic()
+            with contextlib.suppress(grpc.RpcError):  # taken as a peer's early rows, or refused: either ends it
+                exchange.result()
+            closed = time.monotonic()
+        assert closed - opened > 1.0 and not [t for t in given if t < closed - 0.1], (closed - opened, given)
+        wait_until(lambda: given, 5, "memory given back once the call ended")
+    finally:
+        srv.stop(0)
