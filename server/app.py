@@ -158,7 +158,8 @@ class Server:
         # Work calls beyond --max-inflight are refused by the admission inside; the two spare slots let them be.
         self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=config.max_inflight + 2,
                                          idle_seconds=config.stream_idle_seconds, max_queue=config.max_queue,
-                                         max_held_bytes=config.max_held_bytes, refusals=self.refusals)
+                                         max_held_bytes=config.max_held_bytes, refusals=self.refusals,
+                                         on_quiet=self.state.window_buffers.clear)
         self.max_queue = self.budgets.max_queue
         self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes,
                                self.refusals.counts)

@@ -278,8 +278,9 @@ class BudgetInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, stream_slots: int, work_slots: int, idle_seconds: float = DEFAULT_IDLE_SECONDS,
                  max_queue: int | None = None, max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
-                 refusals: Refusals | None = None):
+                 refusals: Refusals | None = None, on_quiet: Callable[[], None] = lambda: None):
         self.idle_seconds = idle_seconds
+        self.on_quiet = on_quiet  # run when quiet, before freed memory is given back (the server's pools emptied)
         self.max_queue = 3 * CONTROL_THREADS if max_queue is None else max_queue
         self.refusals = refusals if refusals is not None else Refusals()
         self._streams = _Lane("stream", stream_slots)
@@ -329,6 +330,7 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                 self._since = now
             elif self._since is not None and now - self._since > QUIET_SECONDS:
                 self._since = None
+                self.on_quiet()
                 release_freed_memory()
             with self._lock:
                 idle = [w for w in self._open.values() if now - w.last > w.limit]

@@ -18,6 +18,7 @@ from deepco_server.peers import PeerChannels
 from deepco_server.refusals import Refusals
 from deepco_server.triton_extensions import EXTENSIONS, Statistics
 from deepco_server.whole_parts import WholeParts
+from deepco_server.window_buffers import WindowBuffers
 
 from deepco.wire.security import ChannelSecurity
 
@@ -89,6 +90,7 @@ class ServerState:
         self.peer_security = peer_security if peer_security is not None else ChannelSecurity()
         self.peers = frozenset(peers)
         self.peer_channels = PeerChannels(self.peers, self.peer_security)
+        self.window_buffers = WindowBuffers()  # split jobs' windows, reused from frame to frame
         self.draining = threading.Event()
         self.statistics = Statistics()  # Triton's statistics extension, per loaded model
         self.server_id = ""  # ServerMetadata's deepco_server_id (set by server.app.Server once it listens)

@@ -37,7 +37,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -56,6 +56,7 @@ from deepco_server.errors import (
 )
 from deepco_server.models import Registry
 from deepco_server.peers import MAX_PEER_CHANNELS, PeerChannels, peer_allowed
+from deepco_server.window_buffers import WindowBuffers
 
 from deepco.planning.bands import NOT_A_SERVER, check_tables, receives, sends
 from deepco.planning.overlap import MAX_PARTS
@@ -379,11 +380,13 @@ class Held:
     (a peer's are taken when a run's window first needs them, so the interior runs while they are in flight)."""
 
     def __init__(self, job: Job, level: int, own: tuple[int, int], band: np.ndarray,
-                 pending: dict[int, tuple[int, int]] | None = None):
+                 pending: dict[int, tuple[int, int]] | None = None, buffers: WindowBuffers | None = None):
         self.job, self.level = job, level
         self.pieces: list[tuple[int, np.ndarray]] = [(own[0], band)]
         # peer -> its rows [a, b) not taken yet (default: the level's one tensor's)
         self.pending = dict(job.receives(level) if pending is None else pending)
+        self.buffers = buffers if buffers is not None else WindowBuffers(0)
+        self.lent: list[np.ndarray] = []  # windows assembled into the buffers' arrays, until `release`
 
     def window(self, lo: int, hi: int, take: Callable[[int, tuple[int, int]], np.ndarray], clock: StepClock,
                j: int) -> np.ndarray:
@@ -396,17 +399,31 @@ class Held:
                 self.pieces.append((self.pending[peer][0], take(peer, self.pending.pop(peer))))
             clock.since("halo", waited, j)
         copying = time.perf_counter()
-        parts = sorted((max(lo, a), array[:, :, max(lo, a) - a:min(hi, a + array.shape[2]) - a])
-                       for a, array in self.pieces if a < hi and lo < a + array.shape[2])
-        window = parts[0][1] if len(parts) == 1 else np.concatenate([x for _, x in parts], axis=2)
-        if window.shape[2] != hi - lo:
-            raise Internal(f"split job {self.job.id!r}: assembled {window.shape[2]} rows of level {self.level}, "
-                           f"expected [{lo}, {hi})")
-        if len(parts) == 1 and window.flags.c_contiguous:
-            return window
-        window = np.ascontiguousarray(window)
+        parts = sorted(((max(lo, a), array[:, :, max(lo, a) - a:min(hi, a + array.shape[2]) - a])
+                        for a, array in self.pieces if a < hi and lo < a + array.shape[2]), key=lambda p: p[0])
+        if sum(x.shape[2] for _, x in parts) != hi - lo:
+            raise Internal(f"split job {self.job.id!r}: assembled {sum(x.shape[2] for _, x in parts)} rows of level "
+                           f"{self.level}, expected [{lo}, {hi})")
+        if len(parts) == 1 and parts[0][1].flags.c_contiguous:
+            return parts[0][1]
+        first = parts[0][1]
+        window = self.buffers.take((*first.shape[:2], hi - lo, *first.shape[3:]), first.dtype)
+        if len(parts) == 1:
+            np.copyto(window, first)
+        else:
+            np.concatenate([x for _, x in parts], axis=2, out=window)
+        self.lent.append(window)
         clock.since("assemble", copying, j)
         return window
+
+    def release(self, outputs: Iterable[np.ndarray] = ()) -> None:
+        """Give the windows assembled so far back to the buffers, now that the runs on them are done; one that
+        shares memory with any of ``outputs`` (a segment whose output is its input) is not given back."""
+        outputs = list(outputs)
+        for window in self.lent:
+            if not any(np.may_share_memory(window, y) for y in outputs):
+                self.buffers.give(window)
+        self.lent.clear()
 
 
 TensorRows = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]  # band, crop, window per server
@@ -706,7 +723,7 @@ class SplitJobs:
         if j == 1 and job.lookahead:  # the device sent the window, or its first rows with the rest to follow
             own = (job.windows[j][job.me][0], job.windows[j][job.me][0] + band.shape[2])
             pending = {job.me: job.rest} if job.rest else {}
-        held = Held(job, level, own, band, pending)
+        held = Held(job, level, own, band, pending, self.state.window_buffers)
         def take(peer: int, rows: tuple[int, int]) -> np.ndarray:
             return self._take(job, level, peer, rows, band, outgoing, active, result)
 
@@ -715,6 +732,7 @@ class SplitJobs:
             window = held.window(lo, hi, take, clock, j)
             y = self._compute(job, model, {model.inputs[0].name: window}, [model.outputs[0].name], clock, j)
             y = y[model.outputs[0].name]
+            held.release([y])
             if crop + (b - a) > y.shape[2]:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
                               f"[{lo}, {hi}); crop {crop} + rows {b - a} does not fit")
@@ -782,7 +800,7 @@ class SplitJobs:
                 result.messages_sent += 1
                 result.bytes_sent += (b - a) * band[:, :, :1].nbytes
         pending = job.tensor_rows(level, receives)
-        feeds = {}
+        feeds, windows = {}, []
         for i in model.inputs:
             start, band = held[i.name]
 
@@ -791,9 +809,12 @@ class SplitJobs:
 
             own = (start, start + band.shape[2])
             lo, hi = job.scales[level][i.name][2][job.me]
-            feeds[i.name] = Held(job, level, own, band, pending.get(i.name, {})).window(lo, hi, take, clock, j)
+            windows.append(Held(job, level, own, band, pending.get(i.name, {}), self.state.window_buffers))
+            feeds[i.name] = windows[-1].window(lo, hi, take, clock, j)
         made = [name for name, (_, crop, _) in job.scales[j].items() if crop]
         output = self._compute(job, model, feeds, made, clock, j)
+        for window in windows:
+            window.release(output.values())
         out = {}
         for name, (owned, crop, _) in job.scales[j].items():
             if not crop:
