@@ -692,15 +692,18 @@ class SplitJobs:
                    clock: StepClock) -> None:
         """The segments of a job of one tensor per level, then its band of the last level answered, sent to the
         server that gathers, or gathered here with the tail run."""
-        band = job.image
+        band, buffers = job.image, self.state.window_buffers
         for j, model in enumerate(job.models, start=1):
-            band = self._segment(job, j, model, band, outgoing, active, result, clock)
+            done, band = band, self._segment(job, j, model, band, outgoing, active, result, clock)
+            if done is not job.image and not np.may_share_memory(done, band):  # its rows were sent and used
+                buffers.give(done)
         if job.gather_to is None:
             self._answer(result, band, job.bands[-1][job.me][0], clock, len(job.models))
         elif job.gather_to != job.me:
             self._send_band(job, band, outgoing, result, clock)
         else:
             self._gather_and_finish(job, band, outgoing, result, active, clock)
+        buffers.give(band)  # copied into the answer, the message to the gatherer, or the gathered tail input
 
     def _segment(self, job: Job, j: int, model, band: np.ndarray, outgoing: Streams, active: Callable[[], bool],
                  result: dpb.SplitResult, clock: StepClock) -> np.ndarray:
@@ -741,7 +744,10 @@ class SplitJobs:
             return rows[0][1]
         stitching = time.perf_counter()
         rows.sort(key=lambda r: r[0])
-        band = np.concatenate([r for _, r in rows], axis=2)
+        first = rows[0][1]
+        band = self.state.window_buffers.take((*first.shape[:2], sum(r.shape[2] for _, r in rows), *first.shape[3:]),
+                                              first.dtype)
+        np.concatenate([r for _, r in rows], axis=2, out=band)
         clock.since("assemble", stitching, j)
         return band
 
