@@ -159,7 +159,7 @@ class Server:
         self.budgets = BudgetInterceptor(stream_slots=config.max_streams, work_slots=config.max_inflight + 2,
                                          idle_seconds=config.stream_idle_seconds, max_queue=config.max_queue,
                                          max_held_bytes=config.max_held_bytes, refusals=self.refusals,
-                                         on_quiet=self.state.window_buffers.clear)
+                                         on_idle=self.state.window_buffers.expire)
         self.max_queue = self.budgets.max_queue
         self.metrics = Metrics(self.state.registry, lambda: self.budgets.queued, lambda: self.budgets.held_bytes,
                                self.refusals.counts)

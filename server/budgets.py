@@ -278,9 +278,11 @@ class BudgetInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, stream_slots: int, work_slots: int, idle_seconds: float = DEFAULT_IDLE_SECONDS,
                  max_queue: int | None = None, max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
-                 refusals: Refusals | None = None, on_quiet: Callable[[], None] = lambda: None):
+                 refusals: Refusals | None = None, on_idle: Callable[[], bool] = lambda: False):
         self.idle_seconds = idle_seconds
-        self.on_quiet = on_quiet  # run when quiet, before freed memory is given back (the server's pools emptied)
+        # Asked at every sweep while no call is open; True when it dropped what the server kept for reuse (the
+        # split jobs' windows, server.window_buffers), which is then given back to the system too.
+        self.on_idle = on_idle
         self.max_queue = 3 * CONTROL_THREADS if max_queue is None else max_queue
         self.refusals = refusals if refusals is not None else Refusals()
         self._streams = _Lane("stream", stream_slots)
@@ -330,7 +332,8 @@ class BudgetInterceptor(grpc.ServerInterceptor):
                 self._since = now
             elif self._since is not None and now - self._since > QUIET_SECONDS:
                 self._since = None
-                self.on_quiet()
+                release_freed_memory()
+            if not self.open_calls and self.on_idle():
                 release_freed_memory()
             with self._lock:
                 idle = [w for w in self._open.values() if now - w.last > w.limit]

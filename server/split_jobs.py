@@ -906,14 +906,15 @@ class SplitJobs:
     def _take(self, job: Job, level: int, peer: int, rows: tuple[int, int], like: np.ndarray,
               outgoing: Streams, active: Callable[[], bool], result: dpb.SplitResult, tensor: str = "") -> np.ndarray:
         """Rows [a, b) of ``level`` (its ``tensor``, for a level of several) from ``peer``, checked against the
-        tables (and shaped like ``like`` but for the rows); counted in ``result``."""
+        tables (and shaped like ``like`` but for the rows, of its type: they are copied into a window of it);
+        counted in ``result``."""
         a, b = rows
         array, start = self._wait(job, level, peer, outgoing, active, tensor)
         if start != a or array.shape[2] != b - a or array.shape[:2] != like.shape[:2] \
-                or array.shape[3] != like.shape[3]:
+                or array.shape[3] != like.shape[3] or array.dtype != like.dtype:
             raise invalid(f"job {job.id!r}: {_sender(job, level, peer)} sent rows [{start}, "
-                          f"{start + array.shape[2]}) shape {list(array.shape)} of level {level}, expected rows "
-                          f"[{a}, {b})")
+                          f"{start + array.shape[2]}) shape {list(array.shape)} {array.dtype} of level {level}, "
+                          f"expected rows [{a}, {b}) {like.dtype}")
         result.messages_received += 1
         result.bytes_received += array.nbytes
         return array

@@ -7,18 +7,22 @@ each thread's malloc heap is its own, so the memory the last frame freed was sel
 assembles windows of the same shapes every frame: kept here, they are written again without a fault.
 
 At most ``MAX_POOLED_BYTES`` are kept, the least recently given back dropped first, so a client's shapes bound
-nothing but what a frame's windows already take; the server empties the pool when it is quiet
-(server.budgets), as it gives freed memory back then.
+nothing but what a frame's windows already take. The pool outlives the gaps between a camera's frames (the
+server gives its freed memory back after one quiet second, server.budgets; in `deepco bench`, whose algorithms
+take turns frame by frame, every `auto` frame found the pool emptied that way) and is dropped once no window
+was taken or given back for ``KEEP_SECONDS``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
 
 MAX_POOLED_BYTES = 256 << 20  # ResNet-50 at 720x1280: a server's windows of one frame take 40-60 MB
+KEEP_SECONDS = 60.0  # a camera's frames a minute apart still find their windows
 
 
 class WindowBuffers:
@@ -28,6 +32,7 @@ class WindowBuffers:
         self.max_bytes = max_bytes
         self._free: OrderedDict[tuple, list[np.ndarray]] = OrderedDict()
         self._bytes = 0
+        self._used = time.monotonic()  # when an array was last taken or given back
         self._lock = threading.Lock()
 
     @property
@@ -39,6 +44,7 @@ class WindowBuffers:
         """An array of ``shape`` and ``dtype`` (its contents whatever they were): one given back before, or new."""
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
+            self._used = time.monotonic()
             free = self._free.get(key)
             if free:
                 array = free.pop()
@@ -55,6 +61,7 @@ class WindowBuffers:
             return
         key = (array.shape, array.dtype.str)
         with self._lock:
+            self._used = time.monotonic()
             while self._free and self._bytes + array.nbytes > self.max_bytes:
                 oldest, arrays = next(iter(self._free.items()))
                 self._bytes -= arrays.pop(0).nbytes
@@ -64,8 +71,11 @@ class WindowBuffers:
             self._free.move_to_end(key)
             self._bytes += array.nbytes
 
-    def clear(self) -> None:
-        """Drop every array kept (the server is quiet)."""
+    def expire(self) -> bool:
+        """Drop every array kept if none was taken or given back for ``KEEP_SECONDS``; whether any was dropped."""
         with self._lock:
+            if not self._bytes or time.monotonic() - self._used <= KEEP_SECONDS:
+                return False
             self._free.clear()
             self._bytes = 0
+            return True

@@ -34,7 +34,7 @@ from attack_support import (
     unread_replies,
     wide_conv_transpose_model,
 )
-from deepco_server import budgets
+from deepco_server import budgets, window_buffers
 from deepco_server.app import ServeConfig, Server
 from deepco_server.errors import ResourceExhausted
 from deepco_server.model_checks import SizeBound, check_fixed_size_elements, parse_model
@@ -342,13 +342,14 @@ def test_the_probes_stayed_answering_after_every_attack(attacked: Attacked) -> N
 
 
 def test_freed_memory_is_given_back_once_no_call_is_open_not_during_one(monkeypatch) -> None:
-    """The server gives freed memory back, and the windows it keeps for the next frame, when quiet; a call open
-    for longer than the quiet time (a split job of a big frame) is not quiet: giving memory back under it made
-    its next windows take fresh pages."""
+    """The server gives freed memory back when quiet, and the windows it keeps for the next frame once unused for
+    KEEP_SECONDS; a call open for longer than the quiet time (a split job of a big frame) is not quiet: giving
+    memory back under it made its next windows take fresh pages."""
     given: list[float] = []
     monkeypatch.setattr(budgets, "release_freed_memory", lambda: given.append(time.monotonic()) or True)
     monkeypatch.setattr(budgets, "QUIET_SECONDS", 0.3)
     monkeypatch.setattr(budgets, "SWEEP_SECONDS", 0.05)
+    monkeypatch.setattr(window_buffers, "KEEP_SECONDS", 2.0)
     srv = Server(ServeConfig(port=0, device="cpu", threads=1))
     try:
         def rows_later():  # a peer's exchange stream, open 1.5 s before its only message
@@ -359,14 +360,16 @@ def test_freed_memory_is_given_back_once_no_call_is_open_not_during_one(monkeypa
             exchange = dpb_grpc.DeepcoServiceStub(channel).SplitExchange.future(rows_later(), timeout=10)
             wait_until(lambda: srv.budgets.open_calls == 1, 5, "the exchange stream open")
             given.clear()  # whatever the load of the server's start left
-            srv.state.window_buffers.give(np.empty((1, 8, 16, 16), np.float32))  # a frame's window, kept
             opened = time.monotonic()
             with contextlib.suppress(grpc.RpcError):  # taken as a peer's early rows, or refused: either ends it
                 exchange.result()
             closed = time.monotonic()
         assert closed - opened > 1.0 and not [t for t in given if t < closed - 0.1], (closed - opened, given)
-        assert srv.state.window_buffers.pooled_bytes > 0
+        pool = srv.state.window_buffers
+        pool.give(np.empty((1, 8, 16, 16), np.float32))  # the job's last window, kept for the next frame
         wait_until(lambda: given, 5, "memory given back once the call ended")
-        assert srv.state.window_buffers.pooled_bytes == 0  # the windows kept for the next frame too
+        assert pool.pooled_bytes > 0 and len(given) == 1  # kept through the quiet second
+        wait_until(lambda: pool.pooled_bytes == 0, 10, "the windows dropped once unused for KEEP_SECONDS")
+        wait_until(lambda: len(given) == 2, 5, "and given back to the system")
     finally:
         srv.stop(0)

@@ -6,7 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from deepco_server.split_jobs import Held
+import pytest
+from deepco_server import window_buffers
+from deepco_server.app import ServeConfig, Server
+from deepco_server.errors import Kind, ServerFault
+from deepco_server.split_jobs import Held, SplitJobs
 from deepco_server.window_buffers import WindowBuffers
 
 from deepco.wire import deepco_service_pb2 as dpb
@@ -43,8 +47,15 @@ def test_the_pool_keeps_at_most_its_bytes_dropping_the_least_recently_given_firs
     pool.give(np.empty((1, 4, 100, 6), np.float32))  # alone over the bound: not kept
     pool.give(third[:, :, 1:])  # a view: its memory is another array's
     assert pool.take((1, 4, 100, 6), np.float32).base is None and pool.pooled_bytes <= second.nbytes
-    pool.clear()
-    assert pool.pooled_bytes == 0
+
+
+def test_the_pool_is_dropped_once_unused_for_its_keep_time_only(monkeypatch):
+    pool = WindowBuffers()
+    pool.give(np.empty((1, 4, 10, 6), np.float32))
+    assert not pool.expire() and pool.pooled_bytes > 0  # just used: kept through a quiet second
+    monkeypatch.setattr(window_buffers, "KEEP_SECONDS", 0.0)
+    assert pool.expire() and pool.pooled_bytes == 0
+    assert not pool.expire()  # nothing left to drop
 
 
 def _window(pool: WindowBuffers, band: np.ndarray, peer_rows: dict[int, np.ndarray], own: tuple[int, int],
@@ -87,3 +98,23 @@ def test_a_window_an_output_shares_is_not_given_back():
     assert again is not window
     held.release([])
     assert pool.pooled_bytes == again.nbytes
+
+
+def test_a_peers_rows_of_another_type_are_refused_naming_both_types():
+    """A window is written into an array of the band's type: a peer's rows of another type (float64 sent for
+    float32) are refused INVALID_ARGUMENT, not cast into it."""
+    server = Server(ServeConfig(port=0, device="cpu", threads=1))
+    try:
+        jobs = SplitJobs(server.state)
+        jobs.mailboxes.claim("job", 2)
+        jobs.mailboxes.deliver("job", 1, 1, np.zeros((1, 4, 2, 6), np.float64), 8, "peer")
+        job = SimpleNamespace(id="job", timeout=5.0, peers=["127.0.0.1:1", "127.0.0.1:2"], me=0)
+        outgoing = SimpleNamespace(opened=lambda: [])
+        with pytest.raises(ServerFault) as err:
+            jobs._take(job, 1, 1, (8, 10), rows(8), outgoing, lambda: True, dpb.SplitResult())
+        assert err.value.kind == Kind.INVALID_ARGUMENT and "float64" in str(err.value) and "float32" in str(err.value)
+        jobs.mailboxes.deliver("job", 1, 2, rows(2), 8, "peer")  # the same rows as float32 are taken
+        got = jobs._take(job, 1, 2, (8, 10), rows(8), outgoing, lambda: True, dpb.SplitResult())
+        assert got.dtype == np.float32 and got.shape == (1, 4, 2, 6)
+    finally:
+        server.stop(0)
