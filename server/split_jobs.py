@@ -78,6 +78,7 @@ MAX_EXCHANGE_TIMEOUT = 300.0
 MAX_JOB_ID = 128
 MAX_TENSOR_NAME = 256
 POLL_SECONDS = 0.05  # how often a wait looks at cancellation and at failed outgoing streams
+FLUSH_SECONDS = 0.02  # at most this long a segment waits for its rows to the peers to be written (`_flush`)
 
 
 @dataclass
@@ -205,17 +206,36 @@ class Mailboxes:
 
 
 class Outgoing:
-    """One SplitExchange client stream to a peer for one job: messages are queued, gRPC sends them in order."""
+    """One SplitExchange client stream to a peer for one job: messages are queued, gRPC sends them in order.
+
+    gRPC sends them on a thread of its own, which asks for the next message only once the last one is written
+    (`flush` waits for that)."""
 
     def __init__(self, stub: dpb_grpc.DeepcoServiceStub, peer: int, address: str, timeout: float):
         self.peer, self.address = peer, address
         self.queue: queue.Queue[dpb.RowsMessage | None] = queue.Queue()
         self.ended = False
+        self._queued = self._written = 0
+        self._progress = threading.Condition()
         self.future = stub.SplitExchange.future(self._messages(), timeout=timeout)
 
     def _messages(self) -> Iterator[dpb.RowsMessage]:
-        while (message := self.queue.get()) is not None:
+        given = 0
+        while True:
+            with self._progress:  # asked again: every message given so far is written
+                self._written = given
+                self._progress.notify_all()
+            if (message := self.queue.get()) is None:
+                return
+            given += 1
             yield message
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every message queued so far to be written to the connection (or the
+        stream to fail); whether they were."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self._written >= self._queued or self.future.done(), timeout) \
+                and self._written >= self._queued
 
     def error(self) -> ServerFault | None:
         """The stream's failure, if it has failed, as the error to answer the job with."""
@@ -236,6 +256,8 @@ class Outgoing:
         """Queue a message (raising the stream's error if it already failed)."""
         if (err := self.error()) is not None:
             raise err
+        with self._progress:
+            self._queued += 1
         self.queue.put(message)
 
     def end(self) -> None:
@@ -375,14 +397,25 @@ class Job:
         return 1 + len(feeders) + (self.rest is not None)  # the device's stream of the window's rest
 
 
-class Held:
-    """The rows of one level a job holds for its next segment: its own band, and each peer's rows once taken
-    (a peer's are taken when a run's window first needs them, so the interior runs while they are in flight)."""
+Pieces = list[tuple[int, np.ndarray]]  # a server's rows of a level as its runs made them: (first row, rows), in order
 
-    def __init__(self, job: Job, level: int, own: tuple[int, int], band: np.ndarray,
-                 pending: dict[int, tuple[int, int]] | None = None, buffers: WindowBuffers | None = None):
+
+def rows_of(pieces: Pieces, a: int, b: int) -> np.ndarray:
+    """Rows [a, b) of ``pieces`` (which hold them): a view where one piece holds them all, else a new array."""
+    parts = [array[:, :, max(a, s) - s:min(b, s + array.shape[2]) - s] for s, array in pieces
+             if s < b and a < s + array.shape[2]]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)
+
+
+class Held:
+    """The rows of one level a job holds for its next segment: its own band (in the pieces its runs made), and
+    each peer's rows once taken (a peer's are taken when a run's window first needs them, so the interior runs
+    while they are in flight)."""
+
+    def __init__(self, job: Job, level: int, own: Pieces, pending: dict[int, tuple[int, int]] | None = None,
+                 buffers: WindowBuffers | None = None):
         self.job, self.level = job, level
-        self.pieces: list[tuple[int, np.ndarray]] = [(own[0], band)]
+        self.pieces: Pieces = list(own)
         # peer -> its rows [a, b) not taken yet (default: the level's one tensor's)
         self.pending = dict(job.receives(level) if pending is None else pending)
         self.buffers = buffers if buffers is not None else WindowBuffers(0)
@@ -407,7 +440,7 @@ class Held:
         if len(parts) == 1 and parts[0][1].flags.c_contiguous:
             return parts[0][1]
         first = parts[0][1]
-        window = self.buffers.take((*first.shape[:2], hi - lo, *first.shape[3:]), first.dtype)
+        window = self.buffers.take_like(first, hi - lo)
         if len(parts) == 1:
             np.copyto(window, first)
         else:
@@ -692,29 +725,35 @@ class SplitJobs:
                    clock: StepClock) -> None:
         """The segments of a job of one tensor per level, then its band of the last level answered, sent to the
         server that gathers, or gathered here with the tail run."""
-        band, buffers = job.image, self.state.window_buffers
+        # with lookahead the device sent this server's window of the image (or its first rows), else its band
+        first = job.windows[1][job.me][0] if job.lookahead else job.bands[0][job.me][0]
+        pieces: Pieces = [(first, job.image)]
         for j, model in enumerate(job.models, start=1):
-            done, band = band, self._segment(job, j, model, band, outgoing, active, result, clock)
-            if done is not job.image and not np.may_share_memory(done, band):  # its rows were sent and used
-                buffers.give(done)
+            pieces = self._segment(job, j, model, pieces, outgoing, active, result, clock)
+        band = pieces[0][1]
+        if len(pieces) > 1:  # the last segment ran in parts: its rows stitched into one band
+            stitching = time.perf_counter()
+            band = self.state.window_buffers.take_like(band, sum(r.shape[2] for _, r in pieces))
+            np.concatenate([r for _, r in pieces], axis=2, out=band)
+            clock.since("assemble", stitching, len(job.models))
         if job.gather_to is None:
             self._answer(result, band, job.bands[-1][job.me][0], clock, len(job.models))
         elif job.gather_to != job.me:
             self._send_band(job, band, outgoing, result, clock)
         else:
             self._gather_and_finish(job, band, outgoing, result, active, clock)
-        buffers.give(band)  # copied into the answer, the message to the gatherer, or the gathered tail input
+        if len(pieces) > 1:  # copied into the answer, the message to the gatherer, or the gathered tail input
+            self.state.window_buffers.give(band)
 
-    def _segment(self, job: Job, j: int, model, band: np.ndarray, outgoing: Streams, active: Callable[[], bool],
-                 result: dpb.SplitResult, clock: StepClock) -> np.ndarray:
-        """Segment ``j`` of the job: send the peers their rows of level j-1 from ``band`` (this server's band of
-        that level), gather the window from ``band`` and the peers' rows, run the segment; this server's band of
-        level j."""
+    def _segment(self, job: Job, j: int, model, own: Pieces, outgoing: Streams, active: Callable[[], bool],
+                 result: dpb.SplitResult, clock: StepClock) -> Pieces:
+        """Segment ``j`` of the job: send the peers their rows of level j-1 from ``own`` (this server's band of
+        that level, as the runs of the segment before made it: never stitched), gather each run's window from
+        it and the peers' rows, run the segment; this server's band of level j, a piece per run."""
         level = j - 1
-        own = job.bands[level][job.me]
         for peer, (a, b) in job.sends(level).items():
             encoding = time.perf_counter()
-            piece = band[:, :, a - own[0]:b - own[0]]
+            piece = rows_of(own, a, b)
             message = dpb.RowsMessage(job_id=job.id, sender=job.me, level=level)
             encode_rows(piece, a, into=message.rows)  # one copy of the rows, straight into the message
             sending = clock.since("encode", encoding, j)
@@ -722,13 +761,15 @@ class SplitJobs:
             clock.since("send", sending, j)
             result.messages_sent += 1
             result.bytes_sent += piece.nbytes
+        self._flush(job.sends(level), outgoing, clock, j)
         pending = None
         if j == 1 and job.lookahead:  # the device sent the window, or its first rows with the rest to follow
-            own = (job.windows[j][job.me][0], job.windows[j][job.me][0] + band.shape[2])
             pending = {job.me: job.rest} if job.rest else {}
-        held = Held(job, level, own, band, pending, self.state.window_buffers)
+        held = Held(job, level, own, pending, self.state.window_buffers)
+        like = own[0][1]
+
         def take(peer: int, rows: tuple[int, int]) -> np.ndarray:
-            return self._take(job, level, peer, rows, band, outgoing, active, result)
+            return self._take(job, level, peer, rows, like, outgoing, active, result)
 
         rows: list[tuple[int, np.ndarray]] = []
         for (a, b), (lo, hi), crop in job.runs(j):  # the interior first: it needs no peer's rows
@@ -740,16 +781,22 @@ class SplitJobs:
                 raise invalid(f"split job {job.id!r}: segment {model.name!r} gave {y.shape[2]} rows on "
                               f"[{lo}, {hi}); crop {crop} + rows {b - a} does not fit")
             rows.append((a, y[:, :, crop:crop + b - a]))
-        if len(rows) == 1:
-            return rows[0][1]
-        stitching = time.perf_counter()
         rows.sort(key=lambda r: r[0])
-        first = rows[0][1]
-        band = self.state.window_buffers.take((*first.shape[:2], sum(r.shape[2] for _, r in rows), *first.shape[3:]),
-                                              first.dtype)
-        np.concatenate([r for _, r in rows], axis=2, out=band)
-        clock.since("assemble", stitching, j)
-        return band
+        return rows
+
+    @staticmethod
+    def _flush(peers: Iterable[int], outgoing: Streams, clock: StepClock, j: int) -> None:
+        """Let gRPC write the rows just queued for ``peers`` before this server computes (timed as send, at most
+        ``FLUSH_SECONDS``): its thread that writes them runs in this server's CPU quota, and beside a run that
+        takes the whole quota it got its turns late, a neighbour's rows landing 6 ms after they were queued
+        (median; 21 ms at the 90th percentile) on the camera preset's servers, the neighbour waiting."""
+        if not peers:
+            return
+        flushing = time.perf_counter()
+        until = flushing + FLUSH_SECONDS
+        for peer in peers:
+            outgoing[peer].flush(max(0.0, until - time.perf_counter()))
+        clock.since("send", flushing, j)
 
     def _compute(self, job: Job, model, feeds: dict[str, np.ndarray], outputs: list[str], clock: StepClock,
                  level: int) -> dict[str, np.ndarray]:
@@ -805,6 +852,7 @@ class SplitJobs:
                 clock.since("send", sending, j)
                 result.messages_sent += 1
                 result.bytes_sent += (b - a) * band[:, :, :1].nbytes
+        self._flush({p for peers in job.tensor_rows(level, sends).values() for p in peers}, outgoing, clock, j)
         pending = job.tensor_rows(level, receives)
         feeds, windows = {}, []
         for i in model.inputs:
@@ -813,9 +861,8 @@ class SplitJobs:
             def take(peer: int, rows: tuple[int, int], t: str = i.name, like: np.ndarray = band) -> np.ndarray:
                 return self._take(job, level, peer, rows, like, outgoing, active, result, t)
 
-            own = (start, start + band.shape[2])
             lo, hi = job.scales[level][i.name][2][job.me]
-            windows.append(Held(job, level, own, band, pending.get(i.name, {}), self.state.window_buffers))
+            windows.append(Held(job, level, [(start, band)], pending.get(i.name, {}), self.state.window_buffers))
             feeds[i.name] = windows[-1].window(lo, hi, take, clock, j)
         made = [name for name, (_, crop, _) in job.scales[j].items() if crop]
         output = self._compute(job, model, feeds, made, clock, j)

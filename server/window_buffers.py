@@ -54,6 +54,10 @@ class WindowBuffers:
                 return array
         return np.empty(shape, dtype)
 
+    def take_like(self, array: np.ndarray, rows: int) -> np.ndarray:
+        """An array shaped like ``array`` (NCHW and the like: rows on axis 2) but with ``rows`` rows, of its type."""
+        return self.take((*array.shape[:2], rows, *array.shape[3:]), array.dtype)
+
     def give(self, array: np.ndarray) -> None:
         """Keep ``array`` (one from `take`, no longer used) for a later `take`, dropping the least recently
         given ones if the pool would hold more than ``max_bytes``."""

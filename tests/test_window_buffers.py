@@ -10,7 +10,7 @@ import pytest
 from deepco_server import window_buffers
 from deepco_server.app import ServeConfig, Server
 from deepco_server.errors import Kind, ServerFault
-from deepco_server.split_jobs import Held, SplitJobs
+from deepco_server.split_jobs import Held, SplitJobs, rows_of
 from deepco_server.window_buffers import WindowBuffers
 
 from deepco.wire import deepco_service_pb2 as dpb
@@ -64,7 +64,7 @@ def _window(pool: WindowBuffers, band: np.ndarray, peer_rows: dict[int, np.ndarr
     for peer, array in peer_rows.items():
         start[peer] = own[1] if peer > 0 else own[0] - array.shape[2]
         pending[peer] = (start[peer], start[peer] + array.shape[2])
-    held = Held(SimpleNamespace(id="job"), 1, own, band, pending, pool)
+    held = Held(SimpleNamespace(id="job"), 1, [(own[0], band)], pending, pool)
     window = held.window(lo, hi, lambda peer, _rows: peer_rows[peer], StepClock(dpb.StepTimes(), 0.0), 1)
     return held, window
 
@@ -118,3 +118,15 @@ def test_a_peers_rows_of_another_type_are_refused_naming_both_types():
         assert got.dtype == np.float32 and got.shape == (1, 4, 2, 6)
     finally:
         server.stop(0)
+
+
+def test_rows_read_from_a_bands_pieces_are_exactly_those_rows_a_view_where_one_piece_holds_them():
+    """A segment run in parts leaves its band as the parts made it (server/split_jobs.py `rows_of`): the rows
+    for a peer, or any rows of the band, read across the pieces equal the stitched band's."""
+    pieces = [(10, rows(4)), (14, rows(3)), (17, rows(5))]
+    band = np.concatenate([p for _, p in pieces], axis=2)
+    for a, b in [(10, 22), (11, 13), (13, 18), (14, 17), (20, 22), (16, 17)]:
+        got = rows_of(pieces, a, b)
+        np.testing.assert_array_equal(got, band[:, :, a - 10:b - 10])
+        assert np.shares_memory(got, band) is False
+    assert any(np.shares_memory(rows_of(pieces, 14, 16), p) for _, p in pieces)  # within one piece: no copy
