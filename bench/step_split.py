@@ -3,7 +3,8 @@
 per-step overhead (a segment step's wall time less its compute; see deepco/timelines.py).
 
     python bench/step_split.py run.jsonl [--gantt frame.png] [--levels]
-        # --gantt: the median frame as a Gantt chart; --levels: each server's compute and wait per level
+        # --gantt: the median frame as a Gantt chart; --levels: each server's compute and wait per level, and
+        # how long a neighbour's rows took from being queued to ending a wait for them
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from deepco.errors import UserError
-from deepco.timelines import by_level, by_level_text, gantt, split_text, step_split
+from deepco.timelines import by_level, by_level_text, gantt, row_delays, split_text, step_split
 
 
 def records_of(path: str, algorithm: str = "auto") -> list[dict]:
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
                 if len(plans) > 1:
                     print(plan)
                 print(by_level_text(by_level(r for r in records if r.get("plan", "") == plan)))
+            delays = sorted(row_delays(records))
+            if delays:
+                median, p90 = delays[len(delays) // 2] * 1e3, delays[9 * len(delays) // 10] * 1e3
+                print(f"a neighbour's rows ended a wait for them (> 2 ms) a median {median:.1f} ms after it had "
+                      f"queued them (p90 {p90:.1f}; {len(delays)} waits)")
         if args.gantt:
             timed = [r for r in records if r["staged"].get("servers")]
             median = statistics.median_low(r["staged"]["latency"] for r in timed)

@@ -9,6 +9,7 @@ placed on the frame's clock by the device.
   (``overhead_less_halo``: what the server itself spends on messages, copies and Python; ``untimed``: the
   part of it in no timed phase).
 - `by_level`: per level and server, the median compute and wait for peers' rows: who keeps whom waiting.
+- `row_delays`: how long a neighbour's rows took from being queued to ending a wait for them.
 - `gantt`: one frame as a Gantt chart, a row per participant and per antenna.
 
 Pure functions on JSON dicts, so a log read back draws the same chart as the run that wrote it.
@@ -118,6 +119,32 @@ def by_level(records: Iterable[dict]) -> dict[str, dict[int, dict[str, float]]]:
     return {name: {level: {k: statistics.median(v) for k, v in lists.items()}
                    for level, lists in sorted(levels.items())}
             for name, levels in sorted(seen.items())}
+
+
+def row_delays(records: Iterable[dict], least: float = 0.002) -> list[float]:
+    """For every wait of a server for its neighbours' rows longer than ``least`` seconds after the first level:
+    how long after the later of its two neighbours (in band order) had queued their rows of that level for
+    gRPC the wait ended (seconds, on the frame's clock). Long waits of short delays: the neighbours computed
+    late; long delays: the rows were slow to cross (gRPC's threads, the sender's or receiver's CPU quota)."""
+    delays: list[float] = []
+    for record in records:
+        staged = record.get("staged", record) if isinstance(record, dict) else None
+        if not staged or record.get("error"):
+            continue
+        steps = sorted((s for s in frame_steps(staged) if (s.get("times") or {}).get("phases")),
+                       key=lambda s: (s.get("rows") or [0])[0])
+        phases = [[(p["phase"], p["level"], s.get("origin", 0.0) + p["start"], s.get("origin", 0.0) + p["end"])
+                   for p in s["times"]["phases"]] for s in steps]
+        for k, mine in enumerate(phases):
+            for what, level, start, end in mine:
+                if what != "halo" or level < 2 or end - start <= least:
+                    continue
+                queued = [min(e for w, lv, _, e in phases[m] if w == "send" and lv == level)
+                          for m in (k - 1, k + 1) if 0 <= m < len(phases)
+                          and any(w == "send" and lv == level for w, lv, _, _ in phases[m])]
+                if queued:
+                    delays.append(end - max(queued))
+    return delays
 
 
 def by_level_text(table: dict[str, dict[int, dict[str, float]]]) -> str:

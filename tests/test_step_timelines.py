@@ -18,7 +18,7 @@ from test_server_support import serve_process
 from test_staged_runtime import make_device, pixels, reference
 
 from deepco.planning.staged import split_plan
-from deepco.timelines import by_level, gantt, gantt_bars, segment_steps, step_split
+from deepco.timelines import by_level, gantt, gantt_bars, row_delays, segment_steps, step_split
 
 ROOT = Path(__file__).resolve().parent.parent
 SLACK = 1e-3  # seconds: the device's estimate of a step's start comes from its own clock
@@ -132,3 +132,24 @@ def test_an_offloaded_frame_carries_its_servers_timeline(device):
     assert times["compute"] > 0 and times["wall"] <= timing.latency
     assert sum(p["end"] - p["start"] for p in times["phases"]) <= times["wall"] + 1e-9
     assert 0 <= timing.servers[0].origin <= timing.latency - times["wall"] + 1e-9
+
+
+def test_row_delays_time_a_wait_from_the_later_neighbours_queueing_on_the_frames_clock():
+    """`row_delays`: a wait for rows ends some time after the later of the two neighbours (band order, whatever
+    order the frame lists the servers in) queued its rows of that level; short waits and the first level's
+    (the device's window) are left out; each server's phases are on its own clock, placed by its origin."""
+    def step(name, rows, origin, phases):
+        return {"name": name, "rows": rows, "origin": origin,
+                "times": {"wall": 1.0, "phases": [{"phase": p, "level": lv, "start": a, "end": b}
+                                                  for p, lv, a, b in phases]}}
+
+    frame = {"servers": [
+        step("bottom", [20, 30], 0.05, [("send", 2, 0.065, 0.070), ("halo", 2, 0.070, 0.071)]),  # a short wait
+        step("top", [0, 10], 0.0, [("send", 2, 0.105, 0.110), ("send", 3, 0.2, 0.21)]),
+        step("middle", [10, 20], 0.02, [("halo", 1, 0.0, 0.05), ("send", 2, 0.075, 0.08),
+                                        ("halo", 2, 0.080, 0.110)]),
+    ]}
+    # the middle's wait ended at 0.13 on the frame's clock; its neighbours queued at 0.110 and 0.120
+    assert row_delays([{"staged": frame}]) == [pytest.approx(0.010)]
+    assert row_delays([{"staged": frame}], least=0.05) == []
+    assert row_delays([{"staged": frame, "error": "lost"}]) == []
