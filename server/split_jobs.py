@@ -78,7 +78,6 @@ MAX_EXCHANGE_TIMEOUT = 300.0
 MAX_JOB_ID = 128
 MAX_TENSOR_NAME = 256
 POLL_SECONDS = 0.05  # how often a wait looks at cancellation and at failed outgoing streams
-FLUSH_SECONDS = 0.02  # at most this long a segment waits for its rows to the peers to be written (`_flush`)
 
 
 @dataclass
@@ -206,36 +205,17 @@ class Mailboxes:
 
 
 class Outgoing:
-    """One SplitExchange client stream to a peer for one job: messages are queued, gRPC sends them in order.
-
-    gRPC sends them on a thread of its own, which asks for the next message only once the last one is written
-    (`flush` waits for that)."""
+    """One SplitExchange client stream to a peer for one job: messages are queued, gRPC sends them in order."""
 
     def __init__(self, stub: dpb_grpc.DeepcoServiceStub, peer: int, address: str, timeout: float):
         self.peer, self.address = peer, address
         self.queue: queue.Queue[dpb.RowsMessage | None] = queue.Queue()
         self.ended = False
-        self._queued = self._written = 0
-        self._progress = threading.Condition()
         self.future = stub.SplitExchange.future(self._messages(), timeout=timeout)
 
     def _messages(self) -> Iterator[dpb.RowsMessage]:
-        given = 0
-        while True:
-            with self._progress:  # asked again: every message given so far is written
-                self._written = given
-                self._progress.notify_all()
-            if (message := self.queue.get()) is None:
-                return
-            given += 1
+        while (message := self.queue.get()) is not None:
             yield message
-
-    def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for every message queued so far to be written to the connection (or the
-        stream to fail); whether they were."""
-        with self._progress:
-            return self._progress.wait_for(lambda: self._written >= self._queued or self.future.done(), timeout) \
-                and self._written >= self._queued
 
     def error(self) -> ServerFault | None:
         """The stream's failure, if it has failed, as the error to answer the job with."""
@@ -256,8 +236,6 @@ class Outgoing:
         """Queue a message (raising the stream's error if it already failed)."""
         if (err := self.error()) is not None:
             raise err
-        with self._progress:
-            self._queued += 1
         self.queue.put(message)
 
     def end(self) -> None:
@@ -761,7 +739,6 @@ class SplitJobs:
             clock.since("send", sending, j)
             result.messages_sent += 1
             result.bytes_sent += piece.nbytes
-        self._flush(job.sends(level), outgoing, clock, j)
         pending = None
         if j == 1 and job.lookahead:  # the device sent the window, or its first rows with the rest to follow
             pending = {job.me: job.rest} if job.rest else {}
@@ -783,20 +760,6 @@ class SplitJobs:
             rows.append((a, y[:, :, crop:crop + b - a]))
         rows.sort(key=lambda r: r[0])
         return rows
-
-    @staticmethod
-    def _flush(peers: Iterable[int], outgoing: Streams, clock: StepClock, j: int) -> None:
-        """Let gRPC write the rows just queued for ``peers`` before this server computes (timed as send, at most
-        ``FLUSH_SECONDS``): its thread that writes them runs in this server's CPU quota, and beside a run that
-        takes the whole quota it got its turns late, a neighbour's rows landing 6 ms after they were queued
-        (median; 21 ms at the 90th percentile) on the camera preset's servers, the neighbour waiting."""
-        if not peers:
-            return
-        flushing = time.perf_counter()
-        until = flushing + FLUSH_SECONDS
-        for peer in peers:
-            outgoing[peer].flush(max(0.0, until - time.perf_counter()))
-        clock.since("send", flushing, j)
 
     def _compute(self, job: Job, model, feeds: dict[str, np.ndarray], outputs: list[str], clock: StepClock,
                  level: int) -> dict[str, np.ndarray]:
@@ -852,7 +815,6 @@ class SplitJobs:
                 clock.since("send", sending, j)
                 result.messages_sent += 1
                 result.bytes_sent += (b - a) * band[:, :, :1].nbytes
-        self._flush({p for peers in job.tensor_rows(level, sends).values() for p in peers}, outgoing, clock, j)
         pending = job.tensor_rows(level, receives)
         feeds, windows = {}, []
         for i in model.inputs:
